@@ -1,0 +1,3 @@
+from models.llama.model import FLAVORS, Llama, LlamaConfig
+
+__all__ = ["FLAVORS", "Llama", "LlamaConfig"]

@@ -1,0 +1,239 @@
+"""Llama 2/3: RMSNorm, rotary embeddings (with Llama 3.1 frequency scaling), grouped-query
+attention through scaled_dot_product_attention, SwiGLU feed-forward.
+
+Written so tensor parallelism needs no special code paths: attention and feed-forward
+derive head counts from the *local* width of their projections, so the same forward runs
+on full weights or on TP shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from parallel.init import init_param_, materialize
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: no GQA (as many kv heads as heads)
+    vocab_size: int = 128_256
+    ffn_hidden: int = 14_336
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+    # Llama 3.1 long-context frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None for plain RoPE.
+    rope_scaling: tuple[float, float, float, int] | None = None
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) and "
+                f"n_heads by n_kv_heads ({self.n_kv_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+_LLAMA31_SCALING = (8.0, 1.0, 4.0, 8192)
+
+# Published shapes (Llama 3 family). "debug" is ours: tiny, GQA, TP-friendly up to tp=4.
+FLAVORS: dict[str, LlamaConfig] = {
+    "debug": LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256,
+                         ffn_hidden=256, rope_theta=10_000.0, max_seq_len=512),
+    "1B": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
+                      rope_scaling=(32.0, 1.0, 4.0, 8192), max_seq_len=131_072,
+                      tie_embeddings=True),
+    "8B": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14_336,
+                      rope_scaling=_LLAMA31_SCALING, max_seq_len=131_072),
+    "70B": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28_672,
+                       rope_scaling=_LLAMA31_SCALING, max_seq_len=131_072),
+    "405B": LlamaConfig(dim=16_384, n_layers=126, n_heads=128, n_kv_heads=8,
+                        ffn_hidden=53_248, rope_scaling=_LLAMA31_SCALING, max_seq_len=131_072),
+}
+
+
+def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), with Llama 3.1 scaling: long wavelengths are
+    divided by `factor`, short ones kept, and a smooth blend in between."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    if cfg.rope_scaling is None:
+        return inv
+    factor, low, high, original_len = cfg.rope_scaling
+    wavelen = 2 * math.pi / inv
+    low_wavelen, high_wavelen = original_len / low, original_len / high
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    return torch.where(wavelen > low_wavelen, inv / factor,
+                       torch.where(wavelen < high_wavelen, inv, blended))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x [b, s, h, d] by position angles
+    cos/sin [s, d/2] — Meta's reference layout, so released weights load without permuting."""
+    pairs = rearrange(x.float(), "b s h (d two) -> b s h d two", two=2)
+    x0, x1 = pairs.unbind(-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rearrange(out, "b s h d two -> b s h (d two)").type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        # Under TP these projections hold only this rank's heads; "(h d)" with d fixed
+        # recovers the local head count, so no TP-specific code is needed here.
+        q = rearrange(self.wq(x), "b s (h d) -> b s h d", d=self.head_dim)
+        k = rearrange(self.wk(x), "b s (h d) -> b s h d", d=self.head_dim)
+        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
+        q = rearrange(apply_rope(q, cos, sin), "b s h d -> b h s d")
+        k = rearrange(apply_rope(k, cos, sin), "b s h d -> b h s d")
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Token ids [b, s] -> logits [b, s, vocab].
+
+    `layers` is a ModuleDict keyed "0", "1", ... so parameter names stay stable when a
+    pipeline stage keeps only some layers, and so TP/FSDP plans can address blocks by name.
+    `tok_embeddings`, `norm` and `output` may be None on middle pipeline stages.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Rotary tables are derived data: not saved, recomputed by init_weights.
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+
+    @classmethod
+    def from_flavor(cls, flavor: str, *, meta: bool = False, **overrides) -> "Llama":
+        """Build a published shape. ``meta=True`` allocates nothing: parallelize first,
+        then `init_weights` materializes only this rank's shards."""
+        if flavor not in FLAVORS:
+            raise ValueError(f"unknown Llama flavor {flavor!r}; accepted: {', '.join(FLAVORS)}")
+        cfg = replace(FLAVORS[flavor], **overrides)
+        with torch.device("meta" if meta else "cpu"):
+            model = cls(cfg)
+        if not meta:
+            model.init_weights()
+        return model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq_len = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    # ---- what parallel/ needs to know about this model (and nothing more) ----
+
+    def fsdp_units(self) -> list[nn.Module | list[nn.Module]]:
+        """FSDP groups, bottom-up: each block alone; norm and output gathered together
+        (they run back to back); embeddings alone. Tied weights share one group."""
+        head = [m for m in (self.norm, self.output) if m is not None]
+        units: list = list(self.layers.values())
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None:
+            return units + [head + [self.tok_embeddings]]
+        if self.tok_embeddings is not None:
+            units.insert(0, self.tok_embeddings)
+        if head:
+            units.append(head)
+        return units
+
+    def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True):
+        from models.llama.tp_plan import llama_tp_plan
+
+        return llama_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+    def tp_divisible(self) -> dict[str, int]:
+        """Sizes that tensor parallelism splits, so each must be divisible by tp."""
+        c = self.cfg
+        return {"heads": c.n_heads, "kv heads": c.n_kv_heads, "FFN width": c.ffn_hidden,
+                "vocab size": c.vocab_size}
+
+    # ---- initialization: the same full weights whatever the layout ----
+
+    def init_weights(self, seed: int = 0, device: torch.device | str | None = None) -> None:
+        """Materialize (if on meta) and initialize every parameter from (seed, name) alone.
+        Each rank fills only its own shards; see parallel.init for how."""
+        materialize(self, device)
+        c = self.cfg
+        depth_std = 0.02 / math.sqrt(2 * c.n_layers)  # residual-branch outputs (GPT-2 scaling)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    init_param_(param, seed, name, lambda t, g: t.fill_(1.0))
+                elif name.endswith(("wo.weight", "w2.weight")):
+                    init_param_(param, seed, name, _trunc_normal(depth_std))
+                elif name.endswith("tok_embeddings.weight") and not c.tie_embeddings:
+                    init_param_(param, seed, name, lambda t, g: t.normal_(0.0, 1.0, generator=g))
+                elif name.endswith("output.weight"):
+                    init_param_(param, seed, name, _trunc_normal(c.dim ** -0.5))
+                else:
+                    init_param_(param, seed, name, _trunc_normal(0.02))
+            self.init_buffers()
+
+    def init_buffers(self) -> None:
+        angles = torch.outer(torch.arange(self.cfg.max_seq_len, dtype=torch.float64),
+                             rope_frequencies(self.cfg))
+        self.rope_cos.copy_(angles.cos())
+        self.rope_sin.copy_(angles.sin())
+
+
+def _trunc_normal(std: float):
+    return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=g)

@@ -1,0 +1,33 @@
+"""meshtrain.parallel: compose FSDP2, tensor parallelism and pipelining over one DeviceMesh.
+
+    from parallel import ParallelDims, parallelize
+    mesh = ParallelDims(dp_shard=-1, tp=2).build_mesh()
+    model = parallelize(model, mesh, sharding_strategy="FULL_SHARD")
+
+Knows no model: a model brings its TP plan (`tp_plan()`) and FSDP units (`fsdp_units()`),
+or the caller passes them.
+"""
+
+from parallel.fsdp import STRATEGIES, apply_fsdp, fsdp_mesh, mixed_precision_policy
+from parallel.grad_clip import clip_grad_norm_
+from parallel.init import init_param_, materialize
+from parallel.mesh import (
+    DIM_NAMES,
+    LayoutError,
+    ParallelDims,
+    check_tp_fits,
+    default_device_type,
+    init_distributed,
+    mesh_coordinate,
+    submesh,
+)
+from parallel.parallelize import parallelize
+from parallel.tensor_parallel import apply_tp, loss_parallel_context
+from parallel.wrap import modules_to_wrap
+
+__all__ = [
+    "DIM_NAMES", "STRATEGIES", "LayoutError", "ParallelDims", "apply_fsdp", "apply_tp",
+    "check_tp_fits", "clip_grad_norm_", "default_device_type", "fsdp_mesh", "init_distributed",
+    "init_param_", "loss_parallel_context", "materialize", "mesh_coordinate",
+    "mixed_precision_policy", "modules_to_wrap", "parallelize", "submesh",
+]

@@ -1,0 +1,91 @@
+"""FSDP2 (`fully_shard`) under the sharding-strategy names FSDP1 and DeepSpeed users know.
+
+| strategy            | ZeRO | shards params over    | re-gathers in backward |
+|---------------------|------|-----------------------|------------------------|
+| FULL_SHARD          | 3    | dp_shard              | yes                    |
+| SHARD_GRAD_OP       | 2    | dp_shard              | no: kept from forward  |
+| NO_SHARD            | DDP  | nothing (replicas)    | n/a                    |
+| HYBRID_SHARD        | 3    | dp_shard, x dp_repl.  | yes                    |
+| HYBRID_SHARD_ZERO2  | 2    | dp_shard, x dp_repl.  | no                     |
+
+Under FSDP2 even "ZeRO-2" keeps the optimizer state and gradients sharded; the strategy
+only decides whether the gathered parameters are freed after forward (FULL_SHARD: save
+memory, pay a second all-gather in backward) or kept until backward (SHARD_GRAD_OP).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from parallel.mesh import LayoutError, submesh
+
+# FSDP2 warns whenever a unit returns a view (a TP-sharded embedding does) because an
+# in-place op on it would skip a backward hook. Our models only combine activations
+# out of place (h = x + f(x)), so the warning is noise on every step.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+_RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False,
+                          "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(param_dtype: str = "bfloat16", reduce_dtype: str = "float32") -> MixedPrecisionPolicy:
+    """Compute in ``param_dtype`` (the sharded fp32 master weights are cast when gathered),
+    reduce gradients in ``reduce_dtype``."""
+    for value in (param_dtype, reduce_dtype):
+        if value not in _DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; accepted: {', '.join(_DTYPES)}")
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+
+
+def fsdp_mesh(mesh: DeviceMesh, strategy: str) -> DeviceMesh | None:
+    """The data-parallel mesh FSDP works over for ``strategy``; None when there is no data
+    parallelism. A 2-D mesh means HSDP: replicate over dim 0, shard over dim 1."""
+    if strategy not in STRATEGIES:
+        raise LayoutError(f"unknown sharding_strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
+    replicate, shard = submesh(mesh, "dp_replicate"), submesh(mesh, "dp_shard")
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        if replicate is not None:
+            raise LayoutError(
+                f"dp_replicate={replicate.size()} asks for replicas, which {strategy} does not make: "
+                "use HYBRID_SHARD / HYBRID_SHARD_ZERO2, or set dp_replicate=1"
+            )
+        return shard
+    if strategy.startswith("HYBRID"):
+        if replicate is None or shard is None:
+            raise LayoutError(
+                f"{strategy} shards within dp_shard and replicates across dp_replicate, so both must "
+                f"be > 1 (got dp_replicate={replicate.size() if replicate else 1}, "
+                f"dp_shard={shard.size() if shard else 1}); use FULL_SHARD or NO_SHARD instead"
+            )
+        return mesh["dp_replicate", "dp_shard"]
+    dp = submesh(mesh, "dp")
+    if dp is None:
+        return None
+    # NO_SHARD: every data-parallel rank is a replica = HSDP with a shard group of one.
+    # Gradients are all-reduced; each rank keeps full parameters and optimizer state.
+    return dp._unflatten(0, (dp.size(), 1), ("dp_noshard_replicate", "dp_noshard_shard"))
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, units: list, *, strategy: str = "FULL_SHARD",
+               mp_policy: MixedPrecisionPolicy | None = None, cpu_offload: bool = False) -> nn.Module:
+    """`fully_shard` each unit (a module, or a list of modules gathered together) bottom-up,
+    then the root, which holds whatever no unit claimed."""
+    reshard = _RESHARD_AFTER_FORWARD[strategy]
+    kwargs = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                  offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+                  if cpu_offload else OffloadPolicy())
+    for i, unit in enumerate(units):
+        # The last unit to run forward is the first needed in backward: freeing its
+        # parameters only to gather them again at once would waste an all-gather.
+        last = i == len(units) - 1
+        fully_shard(unit, reshard_after_forward=reshard and not last, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model

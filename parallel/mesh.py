@@ -1,0 +1,185 @@
+"""One DeviceMesh for every parallelism: pp x dp_replicate x dp_shard x tp.
+
+The order matters. Ranks are numbered so that the *last* mesh dimension varies
+fastest, so with tp last, a TP group is `tp` consecutive ranks. torchrun numbers
+ranks node by node, so a TP group lands inside one node and its per-layer
+all-reduces / all-gathers ride NVLink. FSDP (dp_shard) groups stride across
+nodes: they communicate once per FSDP unit per step, which tolerates the slower
+inter-node network. dp_replicate (HSDP replicas) and pp are further out still.
+
+Example, 16 ranks = 2 nodes x 8 GPUs, ParallelDims(dp_replicate=2, dp_shard=2, tp=4):
+
+    node 0: ranks 0-7          node 1: ranks 8-15
+    tp groups:       [0 1 2 3] [4 5 6 7] [8 9 10 11] [12 13 14 15]
+    dp_shard groups: [0 4] [1 5] [2 6] [3 7] [8 12] ...   (inside a node here)
+    dp_replicate:    [0 8] [1 9] ...                      (across nodes)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run: the message lists every problem found."""
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallelism. ``dp_shard=-1`` takes whatever the others leave."""
+
+    dp_shard: int = -1
+    dp_replicate: int = 1
+    tp: int = 1
+    pp: int = 1
+    world_size: int | None = None  # default: the launched world (WORLD_SIZE)
+
+    def __post_init__(self):
+        if self.world_size is None:
+            self.world_size = _launched_world_size()
+        problems = []
+        for name in DIM_NAMES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                problems.append(f"{name}={value!r} must be an integer")
+            elif value < 1 and not (name == "dp_shard" and value == -1):
+                accepted = ">= 1, or -1 to infer" if name == "dp_shard" else ">= 1"
+                problems.append(f"{name}={value} must be {accepted}")
+        if problems:
+            raise LayoutError("invalid parallel degrees: " + "; ".join(problems))
+
+        others = self.pp * self.dp_replicate * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise LayoutError(
+                    f"cannot infer dp_shard: world size {self.world_size} is not divisible by "
+                    f"pp*dp_replicate*tp = {self.pp}*{self.dp_replicate}*{self.tp} = {others}"
+                )
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise LayoutError(
+                f"parallel degrees do not multiply to the world size: pp*dp_replicate*dp_shard*tp = "
+                f"{self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.tp} = {product}, "
+                f"but the world size is {self.world_size}"
+            )
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DIM_NAMES}
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    def check_model(self, divisible: dict[str, int], *, seq_len: int | None = None,
+                    sequence_parallel: bool = True, gpus_per_node: int | None = None) -> None:
+        """Check this layout against a model (see `check_tp_fits`)."""
+        check_tp_fits(self.tp, divisible, seq_len=seq_len, sequence_parallel=sequence_parallel,
+                      gpus_per_node=gpus_per_node)
+
+    def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """Initialize the process group if needed and build the mesh.
+
+        Only dimensions of degree > 1 become mesh dimensions: a degree-1 dimension
+        would still create one process group per rank for nothing. `submesh` answers
+        for absent ones. When both dp dimensions exist, their flattened product is
+        flattened into "dp" (the mesh data loading shards over); get it with submesh(mesh, "dp").
+        """
+        device_type = device_type or default_device_type()
+        init_distributed(device_type)
+        if dist.get_world_size() != self.world_size:
+            raise LayoutError(
+                f"ParallelDims was sized for world size {self.world_size}, "
+                f"but the process group has {dist.get_world_size()} ranks"
+            )
+        names = tuple(n for n in DIM_NAMES if getattr(self, n) > 1) or ("dp_shard",)
+        shape = tuple(getattr(self, n) for n in names)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+
+def check_tp_fits(tp: int, divisible: dict[str, int], *, seq_len: int | None = None,
+                  sequence_parallel: bool = True, gpus_per_node: int | None = None) -> None:
+    """``divisible`` maps the sizes TP splits (heads, kv heads, FFN width, vocab) to their
+    values. Raises one error listing every problem; warns when TP would leave a node."""
+    problems = [f"tp={tp} does not divide the {what} ({size})"
+                for what, size in divisible.items() if size % tp]
+    if seq_len is not None and sequence_parallel and tp > 1 and seq_len % tp:
+        problems.append(f"seq_len={seq_len} is not divisible by tp={tp}, which sequence parallel needs")
+    if problems:
+        raise LayoutError("layout does not fit the model: " + "; ".join(problems))
+    if gpus_per_node and tp > gpus_per_node:
+        warnings.warn(
+            f"tp={tp} is larger than the {gpus_per_node} devices per node: TP collectives "
+            "(several per layer) would cross the slower inter-node network",
+            stacklevel=2,
+        )
+
+
+def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
+    """The 1-D sub-mesh ``name`` ("pp", "dp_replicate", "dp_shard", "tp" or "dp"),
+    or None where that degree is 1."""
+    names = mesh.mesh_dim_names or ()
+    if name == "dp":
+        present = [n for n in ("dp_replicate", "dp_shard") if n in names and mesh[n].size() > 1]
+        if len(present) == 2:
+            # Cached by torch after the first call (build_mesh makes it eagerly).
+            return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh[present[0]] if present else None
+    if name not in DIM_NAMES:
+        raise ValueError(f"unknown mesh dimension {name!r}; accepted: {', '.join(DIM_NAMES + ('dp',))}")
+    if name in names and mesh[name].size() > 1:
+        return mesh[name]
+    return None
+
+
+def mesh_coordinate(mesh: DeviceMesh, name: str) -> tuple[int, int]:
+    """(this rank's index, degree) along ``name``; (0, 1) for an absent dimension."""
+    sub = submesh(mesh, name)
+    return (sub.get_local_rank(), sub.size()) if sub is not None else (0, 1)
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(device_type: str | None = None) -> None:
+    """Start the default process group (NCCL on CUDA, gloo on CPU) unless already up.
+    Works without torchrun too: a plain `python script.py` becomes a world of one."""
+    device_type = device_type or default_device_type()
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend)
+
+
+def _launched_world_size() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,69 @@
+"""Compose tensor parallelism and FSDP2 on one model, in the order that works:
+TP first (intra-node, turns weights into DTensors on the tp mesh), then FSDP (shards those
+DTensors again over the data-parallel mesh)."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from parallel.fsdp import apply_fsdp, fsdp_mesh
+from parallel.mesh import check_tp_fits, submesh
+from parallel.tensor_parallel import apply_tp
+from parallel.wrap import modules_to_wrap
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sharding_strategy: str = "FULL_SHARD",
+    mixed_precision: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+    tp_plan: dict | None = None,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    fsdp_units: list | None = None,
+    block_classes: tuple[type, ...] | None = None,
+    min_num_params: int | None = None,
+) -> nn.Module:
+    """Apply TP (where the mesh has a tp dimension) and FSDP (where it has data parallelism).
+
+    The model says how: ``model.tp_plan(...)`` and ``model.fsdp_units()`` if it defines them;
+    otherwise pass ``tp_plan`` and either ``fsdp_units``, ``block_classes`` (transformer
+    auto-wrap) or ``min_num_params`` (size-based wrap). Works on a meta-device model:
+    nothing is allocated until ``init_weights`` / ``to_empty``.
+    """
+    tp_mesh = submesh(mesh, "tp")
+    if tp_mesh is not None:
+        if hasattr(model, "tp_divisible"):
+            check_tp_fits(tp_mesh.size(), model.tp_divisible())
+        plan = tp_plan if tp_plan is not None else _model_tp_plan(model, sequence_parallel, loss_parallel)
+        apply_tp(model, tp_mesh, plan)
+
+    dp_mesh = fsdp_mesh(mesh, sharding_strategy)
+    if dp_mesh is None:
+        if mixed_precision is not None or cpu_offload:
+            warnings.warn("no data parallelism in this layout, so FSDP is not applied and "
+                          "mixed_precision / cpu_offload have no effect", stacklevel=2)
+        return model
+    if fsdp_units is None:
+        if block_classes is not None or min_num_params is not None:
+            fsdp_units = modules_to_wrap(model, block_classes=block_classes, min_num_params=min_num_params)
+        elif hasattr(model, "fsdp_units"):
+            fsdp_units = model.fsdp_units()
+        else:
+            raise ValueError(f"{type(model).__name__} has no fsdp_units(); pass fsdp_units, "
+                             "block_classes or min_num_params")
+    return apply_fsdp(model, dp_mesh, fsdp_units, strategy=sharding_strategy,
+                      mp_policy=mixed_precision, cpu_offload=cpu_offload)
+
+
+def _model_tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    if not hasattr(model, "tp_plan"):
+        raise ValueError(f"{type(model).__name__} has no tp_plan(); pass tp_plan= "
+                         "(module-name pattern -> ParallelStyle)")
+    return model.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
