@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # Names that wrappers (activation checkpointing, torch.compile) insert into parameter
 # names; dropping them keeps the seed of a parameter the same with or without them.
@@ -59,7 +60,28 @@ def init_param_(param: torch.Tensor, seed: int, name: str, init_fn: InitFn) -> N
     full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
     init_fn(full, generator)
     if isinstance(param, DTensor):
-        # src_data_rank=None: every rank already holds the full value, so slice locally
-        # instead of scattering from rank 0.
-        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        # The rank's shard is a block of the full tensor (the same arithmetic DCP uses to
+        # place shards in a checkpoint): copy from a view of it, no intermediate copies.
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        if tuple(shape) != tuple(local.shape):
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the block "
+                               f"{tuple(shape)} its placements {param.placements} describe")
+        for dim, (start, size) in enumerate(zip(offset, shape)):
+            full = full.narrow(dim, start, size)
     local.copy_(full)
+
+
+def trunc_normal_(t: torch.Tensor, std: float, generator: torch.Generator, bound: float = 3.0) -> torch.Tensor:
+    """N(0, std) truncated to +-bound*std, in place. torch's own trunc_normal_ resamples
+    through full-size temporaries (3-4x the tensor); this redraws only the rejected values,
+    so a full 70B embedding can be initialized with one byte per element of overhead."""
+    t.normal_(0.0, std, generator=generator)
+    limit = bound * std
+    while True:
+        # Two comparisons instead of t.abs() (a full-size float temporary), and
+        # count_nonzero instead of sum() (which would widen the mask to int64).
+        rejected = t.gt(limit).logical_or_(t.lt(-limit))
+        count = int(torch.count_nonzero(rejected))
+        if count == 0:
+            return t
+        t[rejected] = torch.empty(count, dtype=t.dtype, device=t.device).normal_(0.0, std, generator=generator)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from parallel.init import init_param_, materialize
+from parallel.init import init_param_, materialize, trunc_normal_
 
 
 @dataclass
@@ -236,4 +236,4 @@ class Llama(nn.Module):
 
 
 def _trunc_normal(std: float):
-    return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=g)
+    return lambda t, g: trunc_normal_(t, std, g)

@@ -33,16 +33,19 @@ LAYOUTS = {
     # GQA with one kv head per TP rank shared by 4 query heads.
     "gqa_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(n_kv_heads=2)),
     "tp2_no_sp": (dict(dp_shard=2, tp=2), "FULL_SHARD", {}),
+    # A vocab of 250 does not split evenly over 4 FSDP ranks (63, 63, 63, 61 rows).
+    "uneven_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(vocab_size=250)),
+    "uneven_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(vocab_size=250)),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
 
-def batches() -> torch.Tensor:
-    """Learnable token streams (arithmetic progressions mod 256), fixed by a seed."""
+def batches(vocab_size: int) -> torch.Tensor:
+    """Learnable token streams (arithmetic progressions mod vocab), fixed by a seed."""
     g = torch.Generator().manual_seed(1234)
-    start = torch.randint(0, 256, (STEPS, BATCH, 1), generator=g)
+    start = torch.randint(0, vocab_size, (STEPS, BATCH, 1), generator=g)
     stride = torch.randint(1, 8, (STEPS, BATCH, 1), generator=g)
-    return (start + stride * torch.arange(SEQ + 1)) % 256
+    return (start + stride * torch.arange(SEQ + 1)) % vocab_size
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
@@ -66,7 +69,7 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     result = {"init": full_weights(model), "losses": [], "grad_norms": []}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     per_rank = BATCH // dp_size
-    for tokens in batches():
+    for tokens in batches(model.cfg.vocab_size):
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         loss, norm = train_step(model, optimizer, [(local[:, :-1], local[:, 1:])], max_norm=MAX_NORM,
                                 loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
