@@ -1,0 +1,280 @@
+"""Tokenizers, a text corpus, and a layout-invariant data loader.
+
+The corpus is tokenized once into one 1-D token stream (documents joined by EOS)
+and cut into non-overlapping windows of seq_len + 1 tokens. Which windows make up
+the global batch of step k depends only on (seed, k, global_batch_size), never on
+how the job is laid out: each data-parallel rank takes a contiguous slice of that
+global batch and splits it into micro-batches. So dp=4 x local 2, dp=2 x 4 steps
+of gradient accumulation and dp=1 x local 8 all train on the same sequences, and
+the loss curves of different layouts can be compared step for step. Every rank
+builds the same stream deterministically; the data path never communicates.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sysconfig
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: no vocabulary file, works on any text."""
+
+    bos_id, eos_id, vocab_size = 256, 257, 258
+
+    def encode(self, text: str) -> torch.Tensor:
+        data = text.encode("utf-8", "replace")
+        if not data:  # torch.frombuffer rejects an empty buffer
+            return torch.empty(0, dtype=torch.int32)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32)
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        return bytes(i for i in ids if i < 256).decode("utf-8", "replace")  # specials drop out
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (needs the optional ``tokenizers`` package).
+
+    Special tokens are never added by ``encode``: the corpus builder places the
+    document separator itself. The separator is the first of these the vocabulary
+    has: ``<|end_of_text|>`` (Llama 3), ``</s>`` (Llama 2, Mistral), ``<|endoftext|>``
+    (GPT-2 style). A vocabulary with none of them gets vocab_size - 1, which is only
+    an arbitrary but stable choice; such a tokenizer should be given a real EOS.
+    """
+
+    EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>")
+    BOS_CANDIDATES = ("<|begin_of_text|>", "<s>")
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ImportError(f"tokenizer '{path}' needs the Hugging Face tokenizers package: "
+                              "pip install tokenizers (or pip install meshtrain[hf])") from e
+        self.tok = Tokenizer.from_file(path)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._first_id(self.EOS_CANDIDATES, self.vocab_size - 1)
+        self.bos_id = self._first_id(self.BOS_CANDIDATES, None)
+
+    def _first_id(self, names, default):
+        ids = [self.tok.token_to_id(n) for n in names]
+        return next((i for i in ids if i is not None), default)
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tok.encode(text, add_special_tokens=False).ids, dtype=torch.int32)
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=4)
+def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    """"byte", or the path of a Hugging Face tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if not os.path.isfile(spec):
+        raise ValueError(f"tokenizer must be 'byte' or the path of a tokenizer.json file; "
+                         f"no file at '{spec}'")
+    return HFTokenizer(spec)
+
+
+# ----------------------------------------------------------------------------- corpus
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
+# The stdlib corpus is the library code itself: site-packages is whatever happens to be
+# installed, the test suites are mostly fixtures and generated data, and idlelib is a
+# GUI app rather than library code. Keeping only real library code keeps the corpus
+# about the same everywhere (it still differs a little between Python versions, so
+# every node of a multi-node job needs the same Python).
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
+def _sorted_files(root: Path, suffixes: tuple[str, ...], skip_dirs=frozenset()) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs]  # prune, don't descend
+        found += [Path(dirpath, f) for f in filenames if f.endswith(suffixes)]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())  # same order everywhere
+
+
+def _read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _jsonl_texts(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+            if not isinstance(record, dict) or "text" not in record:
+                raise ValueError(f"{path}:{lineno}: jsonl record has no 'text' field")
+            yield record["text"]
+
+
+def iter_documents(dataset: str, dataset_path: str = "") -> Iterator[str]:
+    """The documents of a corpus, in a fixed order.
+
+    "stdlib": the .py files of this Python's standard library (no download needed).
+    "text": ``dataset_path`` is a file, or a directory walked for .txt/.md/.py/.jsonl;
+    a text file is one document, a .jsonl line is one document (its "text" field).
+    """
+    if dataset == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        for path in _sorted_files(root, (".py",), STDLIB_SKIP_DIRS):
+            yield _read_text(path)
+    elif dataset == "text":
+        root = Path(dataset_path)
+        if not dataset_path or not root.exists():
+            raise ValueError(f"dataset 'text' needs dataset_path to be a file or directory; "
+                             f"got '{dataset_path}'")
+        files = [root] if root.is_file() else _sorted_files(root, TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"no {'/'.join(TEXT_SUFFIXES)} files under '{dataset_path}'")
+        for path in files:
+            yield from _jsonl_texts(path) if path.suffix == ".jsonl" else [_read_text(path)]
+    else:
+        raise ValueError(f"unknown dataset '{dataset}'; expected 'stdlib' or 'text'")
+
+
+def load_tokens(dataset: str, dataset_path: str = "", tokenizer: str = "byte",
+                max_tokens: int | None = None) -> torch.Tensor:
+    """The whole corpus as one int32 token stream, EOS between documents.
+    Cached per process: the returned tensor is shared, so treat it as read-only."""
+    key_path = os.path.abspath(dataset_path) if dataset_path and dataset != "stdlib" else ""
+    return _load_tokens(dataset, key_path, tokenizer, max_tokens)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_tokens(dataset, dataset_path, tokenizer, max_tokens) -> torch.Tensor:
+    tok = build_tokenizer(tokenizer)
+    eos = torch.tensor([tok.eos_id], dtype=torch.int32)
+    pieces, total = [], 0
+    for i, text in enumerate(iter_documents(dataset, dataset_path)):
+        ids = tok.encode(text)
+        pieces += [eos, ids] if i else [ids]
+        total += len(ids) + bool(i)
+        if max_tokens is not None and total >= max_tokens:
+            break  # don't tokenize what would be thrown away
+    tokens = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
+    return tokens[:max_tokens] if max_tokens is not None else tokens
+
+
+# ----------------------------------------------------------------------------- sampling
+
+class DataLoader:
+    """Random access to the batches of one data-parallel rank.
+
+    Step k's global batch is windows ``order[k*G : (k+1)*G]`` of an endless stream of
+    per-epoch permutations (one seeded from (seed, epoch) for each pass over the data).
+    Rank r of D takes the r-th contiguous G/D of it, cut into ``grad_accum_steps``
+    micro-batches of ``local_batch_size``. Ranks with the same dp_rank (a TP or PP
+    group) get identical batches without talking to each other.
+    """
+
+    def __init__(self, tokens: torch.Tensor, *, seq_len: int, global_batch_size: int,
+                 local_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        per_step = dp_size * local_batch_size
+        if local_batch_size < 1 or global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} must be a multiple of dp_size * "
+                f"local_batch_size = {dp_size} * {local_batch_size} = {per_step}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        self.tokens = torch.as_tensor(tokens)
+        self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.local_batch_size, self.dp_rank, self.dp_size = local_batch_size, dp_rank, dp_size
+        self.seed = seed
+        self.num_windows = len(self.tokens) // (seq_len + 1)  # the tail that doesn't fit is dropped
+        if self.num_windows < global_batch_size:
+            raise ValueError(
+                f"corpus too small: {len(self.tokens)} tokens make {self.num_windows} windows "
+                f"of seq_len + 1 = {seq_len + 1}, fewer than one global batch of {global_batch_size}")
+        self.position = 0  # the next step to read
+        self._orders: dict[int, torch.Tensor] = {}
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.dp_size * self.local_batch_size)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            # Mix seed and epoch into one 64-bit seed; distinct (seed, epoch) pairs stay distinct.
+            g = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + epoch) % 2**64)
+            # G <= num_windows, so one batch spans at most two epochs: keep just two orders.
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = torch.randperm(self.num_windows, generator=g)
+        return self._orders[epoch]
+
+    def _window_ids(self, start: int, count: int) -> torch.Tensor:
+        """Window indices at positions [start, start + count) of the endless stream."""
+        ids = []
+        while count > 0:
+            epoch, offset = divmod(start, self.num_windows)
+            n = min(count, self.num_windows - offset)
+            ids.append(self._order(epoch)[offset:offset + n])
+            start, count = start + n, count - n
+        return torch.cat(ids)
+
+    def _windows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = ids * (self.seq_len + 1)
+        w = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+        return w[:, :-1], w[:, 1:]  # the label of each token is the next token of its window
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole global batch of ``step``, [G, seq_len] each (for reference runs)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self._windows(self._window_ids(step * self.global_batch_size, self.global_batch_size))
+
+    def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of ``step``: (inputs, labels), int64 [local_batch_size, seq_len]."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        per_rank = self.global_batch_size // self.dp_size
+        ids = self._window_ids(step * self.global_batch_size + self.dp_rank * per_rank, per_rank)
+        inputs, labels = self._windows(ids)
+        self.position = step + 1
+        return list(zip(inputs.split(self.local_batch_size), labels.split(self.local_batch_size)))
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.batch(self.position)
+
+    def state_dict(self) -> dict:
+        # batch(step) is a pure function of these, so a resume needs only the position.
+        # dp_size and local_batch_size are left out on purpose: a resume may change layout.
+        return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                "global_batch_size": self.global_batch_size, "num_windows": self.num_windows}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key in ("seed", "seq_len", "global_batch_size", "num_windows"):
+            if sd[key] != getattr(self, key):
+                raise ValueError(f"data loader state has {key}={sd[key]} but this run has "
+                                 f"{getattr(self, key)}; resuming would read different sequences")
+        self.position = sd["position"]
+
+
+def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int):
+    """(DataLoader, tokenizer) from a training config (seq_len, global_batch_size,
+    local_batch_size, seed, dataset, dataset_path, tokenizer; optional max_tokens).
+    local_batch_size 0 means global_batch_size // dp_size: no gradient accumulation."""
+    cfg = cfg_training
+    local = cfg.local_batch_size or cfg.global_batch_size // dp_size
+    if cfg.global_batch_size % dp_size or local < 1:
+        raise ValueError(f"global_batch_size={cfg.global_batch_size} must be a positive "
+                         f"multiple of dp_size={dp_size}")
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    tokens = load_tokens(cfg.dataset, cfg.dataset_path, cfg.tokenizer, getattr(cfg, "max_tokens", None))
+    loader = DataLoader(tokens, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
+                        local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
+    return loader, tokenizer
