@@ -1,0 +1,164 @@
+"""Throughput, MFU and memory numbers, and a rank-0 logger (console + TensorBoard)."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+GIB = 1024**3
+
+
+def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, dim: int,
+                    seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token: 6 * (N - N_embedding) + 12 * L * h * s.
+
+    6 per weight: 2 for the forward multiply-add, 4 for the two backward matmuls (input
+    and weight gradients). The embedding table is a lookup, not a matmul, so it is left
+    out; an untied output projection is a matmul and stays in N. 12 * L * h * s is the
+    attention-score (QK^T) and attention-value (PV) matmuls, 2 * 2 * h * s forward times 3
+    for forward + backward, counted over the full s x s matrix *without* halving for the
+    causal mask -- the convention MFU numbers are usually quoted in.
+    Pass the whole model's counts (global, not one rank's shard).
+    """
+    # Accounting as in PaLM (appendix B) and Chinchilla: activation recomputation is not
+    # counted, so MFU measures useful model FLOPs, not hardware FLOPs.
+    return 6.0 * (num_params - num_embedding_params) + 12.0 * n_layers * dim * seq_len
+
+
+# Dense bf16 tensor-core peak from the vendor spec sheets (no 2:4 sparsity), matched as a
+# substring of torch.cuda.get_device_name(); the longest match wins, so "H100 PCIe" beats
+# "H100" (SXM).
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H200": 989e12,
+    "A100": 312e12,
+}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of one ``device``; None on CPU or an unknown GPU (no MFU then)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    matches = [key for key in PEAK_BF16_FLOPS if key in name]
+    return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Memory in GiB; call once at the end of each logged step.
+
+    CUDA: ``peak_gib`` (most allocated since the previous call -- the peak counter is reset
+    here), ``reserved_gib`` (held by the caching allocator), ``valley_gib`` (allocated now,
+    i.e. what survives between steps: params, grads, optimizer state).
+    CPU: ``rss_gib`` (resident set now) and ``peak_rss_gib`` (high-water mark of the process).
+    """
+    if device.type == "cuda":
+        stats = {
+            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+            "valley_gib": torch.cuda.memory_allocated(device) / GIB,
+        }
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    status = _proc_status_kib()
+    if "VmRSS" in status:
+        return {"rss_gib": status["VmRSS"] * 1024 / GIB,
+                "peak_rss_gib": status.get("VmHWM", status["VmRSS"]) * 1024 / GIB}
+    # No /proc (macOS): only the high-water mark is available; ru_maxrss is KiB on Linux
+    # but bytes on macOS.
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = maxrss / GIB if sys.platform == "darwin" else maxrss * 1024 / GIB
+    return {"rss_gib": peak, "peak_rss_gib": peak}
+
+
+def _proc_status_kib() -> dict[str, int]:
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            out[key] = int(value.split()[0])
+    return out
+
+
+# Console label and format for the keys the trainer logs; other keys get a generic format.
+# The keys themselves (not the labels) are the TensorBoard tags. ``mfu`` is in percent.
+_CONSOLE = {
+    "loss": ("loss", "{:.4f}"),
+    "lr": ("lr", "{:.2e}"),
+    "grad_norm": ("grad_norm", "{:.3f}"),
+    "tokens_per_sec": ("tokens/s", "{:,.0f}"),
+    "mfu": ("mfu", "{:.1f}%"),
+    "peak_gib": ("mem", "{:.2f} GiB"),
+    "peak_rss_gib": ("mem", "{:.2f} GiB"),
+}
+
+
+def _format(key: str, value: float) -> str:
+    if key in _CONSOLE:
+        label, fmt = _CONSOLE[key]
+        return f"{label} {fmt.format(value)}"
+    if key.endswith("_gib"):
+        return f"{key} {value:.2f} GiB"
+    if isinstance(value, int):
+        return f"{key} {value:,}"
+    return f"{key} {value:.4g}"
+
+
+class MetricsLogger:
+    """Console line + TensorBoard scalars, written by rank 0 only.
+
+    Every rank builds one and calls it the same way; on other ranks it holds no files and
+    ``log`` does nothing. ``should_log`` is the same on every rank, so ranks can agree on
+    when to run any collective that computes a logged value.
+    """
+
+    def __init__(self, log_dir: str | Path, *, rank: int, log_freq: int, enable_tensorboard: bool,
+                 config_text: str | None = None):
+        if log_freq < 1:
+            raise ValueError(f"log_freq must be >= 1, got {log_freq}")
+        self.log_dir = Path(log_dir)
+        self.rank = rank
+        self.log_freq = log_freq
+        self.enable_tensorboard = enable_tensorboard and rank == 0
+        self.config_text = config_text
+        self._writer = None  # created on the first write: no empty event files, no import on other ranks
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.log_freq == 0
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self.rank != 0:
+            return
+        scalars = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+        print(" | ".join([f"step {step:>4d}"] + [_format(k, v) for k, v in scalars.items()]), flush=True)
+        writer = self._get_writer()
+        if writer is None:
+            return
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+        writer.flush()  # a crash loses at most the line being written
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _get_writer(self):
+        if not self.enable_tensorboard:
+            return None
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.log_dir))
+            if self.config_text is not None:
+                # Fenced so TensorBoard's markdown keeps the config's line breaks and indentation.
+                self._writer.add_text("config", f"```\n{self.config_text}\n```", 0)
+        return self._writer

@@ -1,0 +1,94 @@
+"""AdamW with decoupled weight decay, and the learning-rate schedule.
+
+Step convention: ``step`` is the number of optimizer steps already taken, 0-based, which
+is what LambdaLR passes (its ``last_epoch``). The lr at ``step`` is the lr used by the
+(step+1)-th ``optimizer.step()``. Training runs steps 0 .. total_steps-1.
+
+    warmup   steps 0 .. warmup_steps-1: lr rises linearly, (step+1)/warmup_steps, so the
+             first step already moves (lr/warmup_steps, never 0) and the last warmup step
+             is at the peak.
+    decay    from `decay_start` (still at the peak) to the last step, total_steps-1,
+             which is at min_lr_ratio * peak. Steps past the end stay at the minimum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+DECAY_TYPES = ("cosine", "linear", "constant", "wsd")
+
+
+def build_optimizer(model: nn.Module, *, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with two param groups: [0] matrices and embeddings (ndim >= 2) get weight
+    decay, [1] norms and biases (ndim < 2) do not -- decaying a norm's gain toward zero
+    only fights the normalisation. Both groups always exist, so group indices are the
+    same for every model (and every checkpoint)."""
+    # DTensor.ndim is the global ndim, so sharding (a 1-D shard of a matrix) cannot move
+    # a parameter from one group to the other.
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # foreach=None lets torch pick the multi-tensor kernels when every param sits on the
+    # same kind of device; the DTensor AdamW path works with either.
+    return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=eps, foreach=None)
+
+
+def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_type: str,
+              min_lr_ratio: float, decay_ratio: float) -> float:
+    """Multiplier in [0, 1] of the peak lr at 0-based ``step`` (see the module docstring).
+
+    cosine / linear: decay over every step after warmup.
+    constant:        the peak forever (min_lr_ratio is ignored).
+    wsd:             warmup-stable-decay: flat at the peak, then linear to the minimum
+                     over the last ``round(decay_ratio * total_steps)`` steps (never
+                     reaching into warmup). Decaying only at the end keeps the run
+                     resumable/extendable from any checkpoint taken on the plateau.
+    """
+    if decay_type not in DECAY_TYPES:
+        raise ValueError(f"unknown decay_type {decay_type!r}; expected one of {', '.join(DECAY_TYPES)}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_type == "constant":
+        return 1.0
+
+    if decay_type == "wsd":
+        decay_start = max(warmup_steps, total_steps - round(decay_ratio * total_steps))
+    else:
+        decay_start = warmup_steps
+    span = total_steps - 1 - decay_start  # decay_start is at the peak, total_steps-1 at the minimum
+    if span <= 0:  # no room to decay: the last step (and anything after) is at the minimum
+        progress = 1.0 if step >= total_steps - 1 else 0.0
+    else:
+        progress = min(1.0, max(0.0, (step - decay_start) / span))
+
+    if decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:  # linear, wsd
+        shape = 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
+                       decay_type: str, min_lr_ratio: float,
+                       decay_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over every param group; call ``scheduler.step()`` after ``optimizer.step()``."""
+    if decay_type not in DECAY_TYPES:  # fail at build time, not on the first step
+        raise ValueError(f"unknown decay_type {decay_type!r}; expected one of {', '.join(DECAY_TYPES)}")
+    if warmup_steps < 0 or total_steps < 1:
+        raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
+    if not 0.0 <= min_lr_ratio <= 1.0 or not 0.0 <= decay_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio and decay_ratio must be in [0, 1], got {min_lr_ratio}, {decay_ratio}")
+
+    def fn(step: int) -> float:
+        return lr_lambda(step, warmup_steps=warmup_steps, total_steps=total_steps,
+                         decay_type=decay_type, min_lr_ratio=min_lr_ratio, decay_ratio=decay_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
