@@ -8,6 +8,7 @@ Knows no model: a model brings its TP plan (`tp_plan()`) and FSDP units (`fsdp_u
 or the caller passes them.
 """
 
+from parallel.activation_checkpoint import AC_MODES, apply_ac, apply_compile
 from parallel.fsdp import STRATEGIES, apply_fsdp, fsdp_mesh, mixed_precision_policy
 from parallel.grad_clip import clip_grad_norm_
 from parallel.init import init_param_, materialize
@@ -26,7 +27,7 @@ from parallel.tensor_parallel import apply_tp, loss_parallel_context
 from parallel.wrap import modules_to_wrap
 
 __all__ = [
-    "DIM_NAMES", "STRATEGIES", "LayoutError", "ParallelDims", "apply_fsdp", "apply_tp",
+    "AC_MODES", "apply_ac", "apply_compile", "DIM_NAMES", "STRATEGIES", "LayoutError", "ParallelDims", "apply_fsdp", "apply_tp",
     "check_tp_fits", "clip_grad_norm_", "default_device_type", "fsdp_mesh", "init_distributed",
     "init_param_", "loss_parallel_context", "materialize", "mesh_coordinate",
     "mixed_precision_policy", "modules_to_wrap", "parallelize", "submesh",

@@ -1,6 +1,7 @@
 """Compose tensor parallelism and FSDP2 on one model, in the order that works:
-TP first (intra-node, turns weights into DTensors on the tp mesh), then FSDP (shards those
-DTensors again over the data-parallel mesh)."""
+TP first (intra-node, turns weights into DTensors on the tp mesh), then activation
+checkpointing and compile per block, then FSDP (shards those DTensors again over the
+data-parallel mesh)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from parallel.activation_checkpoint import apply_ac, apply_compile
 from parallel.fsdp import apply_fsdp, fsdp_mesh
 from parallel.mesh import check_tp_fits, submesh
 from parallel.tensor_parallel import apply_tp
@@ -29,13 +31,17 @@ def parallelize(
     fsdp_units: list | None = None,
     block_classes: tuple[type, ...] | None = None,
     min_num_params: int | None = None,
+    activation_checkpoint: str = "none",
+    ac_every: int = 2,
+    compile: bool = False,
 ) -> nn.Module:
     """Apply TP (where the mesh has a tp dimension) and FSDP (where it has data parallelism).
 
     The model says how: ``model.tp_plan(...)`` and ``model.fsdp_units()`` if it defines them;
     otherwise pass ``tp_plan`` and either ``fsdp_units``, ``block_classes`` (transformer
     auto-wrap) or ``min_num_params`` (size-based wrap). Works on a meta-device model:
-    nothing is allocated until ``init_weights`` / ``to_empty``.
+    nothing is allocated until ``init_weights`` / ``to_empty``. Activation checkpointing
+    and compile wrap the blocks in ``model.transformer_blocks()`` (a ModuleDict/ModuleList).
     """
     tp_mesh = submesh(mesh, "tp")
     if tp_mesh is not None:
@@ -43,6 +49,14 @@ def parallelize(
             check_tp_fits(tp_mesh.size(), model.tp_divisible())
         plan = tp_plan if tp_plan is not None else _model_tp_plan(model, sequence_parallel, loss_parallel)
         apply_tp(model, tp_mesh, plan)
+
+    if activation_checkpoint != "none" or compile:
+        if not hasattr(model, "transformer_blocks"):
+            raise ValueError(f"{type(model).__name__} has no transformer_blocks(); activation "
+                             "checkpointing and compile need the container of blocks")
+        apply_ac(model.transformer_blocks(), activation_checkpoint, ac_every)
+        if compile:
+            apply_compile(model.transformer_blocks())
 
     dp_mesh = fsdp_mesh(mesh, sharding_strategy)
     if dp_mesh is None:

@@ -37,7 +37,7 @@ def test_rank0_writes_scalars_and_config(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, rank=0, log_freq=10, enable_tensorboard=True,
                            config_text="[training]\nlr = 3e-4")
     assert logger.should_log(1) and logger.should_log(20) and not logger.should_log(7)
-    logger.log(1, {"loss": 3.21449, "lr": 3e-4, "grad_norm": 0.8123, "tokens_per_sec": 12345.4,
+    logger.log(1, {"loss": 3.21449, "lr": 3e-4, "grad_norm": 0.8123, "tokens_per_second": 12345.4,
                    "mfu": 41.23, "peak_gib": 1.234, "custom": 7})
     logger.log(10, {"loss": 2.5, "lr": 2e-4})
     logger.close()
@@ -47,7 +47,7 @@ def test_rank0_writes_scalars_and_config(tmp_path, capsys):
                     " | mfu 41.2% | mem 1.23 GiB | custom 7")
 
     acc = read_events(tmp_path)
-    assert {"loss", "lr", "grad_norm", "tokens_per_sec"} <= set(acc.Tags()["scalars"])
+    assert {"loss", "lr", "grad_norm", "tokens_per_second"} <= set(acc.Tags()["scalars"])
     loss = acc.Scalars("loss")
     assert [e.step for e in loss] == [1, 10]
     assert [e.value for e in loss] == [torch.tensor(3.21449).item(), 2.5]  # stored as float32

@@ -94,7 +94,7 @@ _CONSOLE = {
     "loss": ("loss", "{:.4f}"),
     "lr": ("lr", "{:.2e}"),
     "grad_norm": ("grad_norm", "{:.3f}"),
-    "tokens_per_sec": ("tokens/s", "{:,.0f}"),
+    "tokens_per_second": ("tokens/s", "{:,.0f}"),
     "mfu": ("mfu", "{:.1f}%"),
     "peak_gib": ("mem", "{:.2f} GiB"),
     "peak_rss_gib": ("mem", "{:.2f} GiB"),

@@ -195,6 +195,10 @@ class Llama(nn.Module):
             units.append(head)
         return units
 
+    def transformer_blocks(self) -> nn.ModuleDict:
+        """The repeated blocks (activation checkpointing and compile wrap these)."""
+        return self.layers
+
     def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True):
         from models.llama.tp_plan import llama_tp_plan
 
