@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install meshtrain and its test tools into the current Python environment.
+# An already-installed torch (e.g. a CUDA build on a GPU machine) is kept as it is;
+# only a machine without torch gets torch 2.13.0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+"$PY" -m pip install --quiet -e ".[dev]"
+"$PY" -c "import torch; print(f'meshtrain ready: torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
