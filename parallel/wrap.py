@@ -32,13 +32,18 @@ def modules_to_wrap(model: nn.Module, *, block_classes: tuple[type, ...] | None 
         for child in module.children():
             visit(child)
         own = sum(p.numel() for p in module.parameters() if id(p) not in claimed)
-        if module is not model and own >= min_num_params:
+        # Containers have no forward, so FSDP cannot hook them (FSDP1's size policy skips
+        # them too): their unclaimed parameters fall through to the parent.
+        if module is not model and own >= min_num_params and not isinstance(module, _CONTAINERS):
             units.append(module)
             claimed.update(id(p) for p in module.parameters())
         return own
 
     visit(model)
     return units
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def _nested(units: list[nn.Module]) -> bool:

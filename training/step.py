@@ -28,6 +28,9 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                device: torch.device | None = None) -> tuple[float, float]:
     """Returns (loss averaged over the global batch, global gradient norm before clipping).
     ``loss_parallel``: the logits are vocab-sharded DTensors (TP with loss_parallel)."""
+    if device is None:  # where the parameters (or their local shards) live
+        param = next(model.parameters())
+        device = param.to_local().device if isinstance(param, DTensor) else param.device
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for inputs, labels in micro_batches:
