@@ -46,8 +46,13 @@ def _losses(tmp_path, name, nproc, *overrides):
     return torch.tensor(scalars(tmp_path / name, "loss"))
 
 
-def test_single_process_dp2_tp2_and_hybrid_give_the_same_losses(tmp_path):
-    single = _losses(tmp_path, "single", 1, "--parallelism.dp_shard=1", "--parallelism.tp=1")
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _losses(tmp_path_factory.mktemp("single"), "single", 1,
+                   "--parallelism.dp_shard=1", "--parallelism.tp=1")
+
+
+def test_single_process_dp2_tp2_and_hybrid_give_the_same_losses(tmp_path, single):
     two_d = _losses(tmp_path, "dp2_tp2", 4)
     hybrid = _losses(tmp_path, "hsdp", 4, "--parallelism.tp=1", "--parallelism.dp_replicate=2",
                      "--parallelism.dp_shard=2", "--parallelism.sharding_strategy=HYBRID_SHARD")
@@ -56,6 +61,26 @@ def test_single_process_dp2_tp2_and_hybrid_give_the_same_losses(tmp_path):
     assert len(single) == 6
     for other in (two_d, hybrid, accum):
         torch.testing.assert_close(other, single, rtol=1e-4, atol=0)
+
+
+def test_activation_checkpointing_and_cpu_offload_change_no_loss_and_bf16_stays_close(tmp_path, single):
+    # Recomputation and offloading move work and memory, not numbers: fp32 stays exact.
+    ac = _losses(tmp_path, "ac", 4, "--activation_checkpoint.mode=full",
+                 "--parallelism.sharding_strategy=SHARD_GRAD_OP", "--parallelism.cpu_offload=true")
+    torch.testing.assert_close(ac, single, rtol=1e-4, atol=0)
+    bf16 = _losses(tmp_path, "bf16", 4, "--training.mixed_precision_param=bfloat16")
+    torch.testing.assert_close(bf16, single, rtol=1e-2, atol=0)
+    assert not torch.equal(bf16, single)  # bf16 compute really ran
+
+
+def test_tied_embeddings_refuse_tensor_parallel(fake_world):
+    from models.llama import Llama
+    from parallel import parallelize
+
+    fake_world(2)
+    mesh = ParallelDims(tp=2, dp_shard=1).build_mesh("cpu")
+    with pytest.raises(ValueError, match="tied embeddings"):
+        parallelize(Llama.from_flavor("1B", meta=True), mesh)
 
 
 def _train_cli(*args):

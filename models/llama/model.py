@@ -202,6 +202,11 @@ class Llama(nn.Module):
     def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True):
         from models.llama.tp_plan import llama_tp_plan
 
+        if self.cfg.tie_embeddings:
+            # parallelize_module would replace each of the two tied modules' weight with
+            # its own DTensor, silently untying them.
+            raise ValueError("tensor parallelism with tied embeddings (the 1B flavor) is not "
+                             "supported yet; use tp=1 for this flavor")
         return llama_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
     def tp_divisible(self) -> dict[str, int]:
