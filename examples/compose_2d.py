@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from models.llama import Llama
-from parallel import ParallelDims, parallelize, submesh
+from parallel import ParallelDims, mesh_coordinate, parallelize, submesh
 from training.step import train_step
 
 STEPS, BATCH, SEQ = 10, 8, 64  # BATCH is the global batch, split over data-parallel ranks
@@ -45,17 +45,15 @@ def main():
 
     # Ranks of one TP group must see the same data; only the dp coordinate picks a slice.
     dp_mesh, tp_mesh = submesh(mesh, "dp"), submesh(mesh, "tp")
-    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh else (0, 1)
+    dp_rank, dp_size = mesh_coordinate(mesh, "dp")
     per_rank = BATCH // dp_size
     local = fixed_batch(model.cfg.vocab_size)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     inputs, labels = local[:, :-1], local[:, 1:]
-
-    device = torch.device(mesh.device_type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     for step in range(1, STEPS + 1):
         # With TP the model's plan keeps the logits vocab-sharded (loss_parallel).
         loss, grad_norm = train_step(model, optimizer, [(inputs, labels)], max_norm=1.0,
-                                     loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh, device=device)
+                                     loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.4f}", flush=True)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from parallel import ParallelDims, parallelize, submesh
+from parallel import ParallelDims, mesh_coordinate, parallelize, submesh
 from training.step import train_step
 
 STEPS, BATCH, SEQ, VOCAB = 10, 8, 64, 256
@@ -73,7 +73,7 @@ def main():
                         block_classes=(Block,))
 
     dp_mesh = submesh(mesh, "dp")
-    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh else (0, 1)
+    dp_rank, dp_size = mesh_coordinate(mesh, "dp")
     g = torch.Generator().manual_seed(0)
     start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
     stride = torch.randint(1, 8, (BATCH, 1), generator=g)
