@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = device_peak_flops(device)
     tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
     use_loss_parallel = submesh(mesh, "tp") is not None and cfg.parallelism.loss_parallel
+    dp_mesh = submesh(mesh, "dp")
     if rank == 0:
         print(f"meshtrain: {mesh} | {num_params / 1e6:,.1f}M parameters | "
               f"{data.grad_accum_steps} micro-batch(es) per step | logs in {run_dir}", flush=True)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         loss, grad_norm = train_step(model, optimizer, data.batch(step - 1), max_norm=cfg.training.max_norm,
-                                     loss_parallel=use_loss_parallel, dp_mesh=submesh(mesh, "dp"), device=device)
+                                     loss_parallel=use_loss_parallel, dp_mesh=dp_mesh, device=device)
         scheduler.step()
         if metrics.should_log(step):
             # Per device, the convention published throughput numbers use.

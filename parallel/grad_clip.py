@@ -16,7 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 @torch.no_grad()
@@ -30,7 +30,7 @@ def clip_grad_norm_(parameters, max_norm: float, *, norm_type: float = 2.0,
     for g in grads:
         if isinstance(g, DTensor):
             if any(p.is_partial() for p in g.placements):
-                g = g.redistribute(g.device_mesh, [p if not p.is_partial() else _replicate() for p in g.placements])
+                g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
             copies = math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
             groups.setdefault((g.device_mesh, copies), []).append(g.to_local())
         else:
@@ -65,9 +65,3 @@ def clip_grad_norm_(parameters, max_norm: float, *, norm_type: float = 2.0,
 def _whole_group(mesh: DeviceMesh):
     """One process group over every rank of ``mesh`` (created once, then cached by torch)."""
     return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
-
-
-def _replicate():
-    from torch.distributed.tensor import Replicate
-
-    return Replicate()

@@ -10,7 +10,7 @@ from tests.workers import parity
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One 4-process torchrun job trains every layout in turn (one start-up, not ten)."""
+    """One 4-process torchrun job trains every layout in turn (one start-up, not one per layout)."""
     out = tmp_path_factory.mktemp("parity")
     proc = torchrun("tests/workers/parity.py", str(out), *parity.LAYOUTS, nproc=4, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
