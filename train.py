@@ -1,11 +1,12 @@
-"""Train a Llama with FSDP2 x tensor parallelism from a TOML config.
+"""Train a Llama with FSDP2 x tensor parallelism x pipeline parallelism from a TOML config.
 
     torchrun --nproc-per-node 4 train.py --config debug_2d              # CPU, dp 2 x tp 2
+    torchrun --nproc-per-node 8 train.py --config debug_3d              # CPU, pp 2 x dp 2 x tp 2
     torchrun --nproc-per-node 8 train.py --config llama70b_2d           # one node of a cluster
     python train.py --config debug_2d --parallelism.tp 1 --parallelism.dp_shard 1   # one process
 
-Read top to bottom: config -> layout -> model on meta -> parallelize -> init -> data,
-optimizer, metrics -> the loop. Everything that can be wrong with the config is checked
+Read top to bottom: config -> layout -> model on meta -> [cut into pipeline stages] ->
+parallelize each part -> init -> data, optimizer, metrics -> the loop. Everything that can be wrong with the config is checked
 before the process group starts, so a bad config costs a second, not a cluster allocation.
 """
 
@@ -23,11 +24,13 @@ from torch import nn
 
 from models.llama import Llama
 from parallel import LayoutError, ParallelDims, mesh_coordinate, mixed_precision_policy, parallelize, submesh
+from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
+from training.checkpoint import CheckpointError, CheckpointManager
 from training.config import ConfigError, JobConfig, config_to_toml, parse_args
 from training.data import build_dataloader, build_tokenizer
 from training.metrics import MetricsLogger, device_peak_flops, flops_per_token, memory_stats
-from training.optim import build_lr_scheduler, build_optimizer
-from training.step import train_step
+from training.optim import Optimizers, Schedulers
+from training.step import pipeline_loss_fn, pipeline_train_step, train_step
 
 # Embedding rows are padded to a multiple of this when the vocabulary comes from the
 # tokenizer (258 for bytes), so any TP degree up to 64 divides it.
@@ -36,8 +39,6 @@ VOCAB_MULTIPLE = 64
 
 def build_parallel_dims(cfg: JobConfig, world_size: int | None = None) -> ParallelDims:
     p = cfg.parallelism
-    if p.pp > 1:
-        raise ConfigError("[parallelism] pp > 1: pipeline parallelism is not available yet; set pp = 1")
     return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp,
                         world_size=world_size)
 
@@ -51,8 +52,9 @@ def build_model(cfg: JobConfig, tokenizer_vocab: int) -> Llama:
                              max_seq_len=max(cfg.training.seq_len, 1))
 
 
-def check_layout(cfg: JobConfig, dims: ParallelDims, model: Llama) -> None:
-    """Everything about the layout that can be known before any process group exists."""
+def check_layout(cfg: JobConfig, dims: ParallelDims, model: Llama) -> list[list[int]] | None:
+    """Everything about the layout that can be known before any process group exists.
+    Returns the layers of each pipeline stage (None without a pipeline)."""
     t, p = cfg.training, cfg.parallelism
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if resolve_device(cfg) == "cuda" else None
     dims.check_model(model.tp_divisible(), seq_len=t.seq_len, sequence_parallel=p.sequence_parallel,
@@ -63,9 +65,30 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model: Llama) -> None:
             f"[training] global_batch_size = {t.global_batch_size} must be a multiple of "
             f"dp * local_batch_size = {dims.dp_replicate}*{dims.dp_shard} * {local} = {dims.dp * local} "
             f"(dp = dp_replicate*dp_shard)")
-    if cfg.checkpoint.enable:
-        raise ConfigError("[checkpoint] enable = true: checkpoint saving is not available yet; "
-                          "set enable = false")
+    hf = cfg.checkpoint.initial_load_hf
+    if hf and not (Path(hf) / "config.json").is_file():
+        raise ConfigError(f"[checkpoint] initial_load_hf = \"{hf}\": no Hugging Face config.json there "
+                          f"(expected a folder with config.json and *.safetensors)")
+    if dims.pp == 1:
+        return None
+    try:
+        return check_pipeline(pp=dims.pp, n_layers=model.cfg.n_layers, schedule=p.pp_schedule,
+                              stages_per_rank=stages_per_rank(cfg), n_microbatches=pp_microbatches(cfg),
+                              local_batch=local, layers_per_stage=p.pp_layers_per_stage,
+                              split_points=p.pp_split_points)
+    except LayoutError as err:
+        raise LayoutError(f"[parallelism] pp = {dims.pp}, pp_schedule = \"{p.pp_schedule}\": {err}") from None
+
+
+def stages_per_rank(cfg: JobConfig) -> int:
+    p = cfg.parallelism
+    return p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)
+
+
+def pp_microbatches(cfg: JobConfig) -> int:
+    """Default: one per stage, the fewest that keep every stage of the pipeline busy."""
+    p = cfg.parallelism
+    return p.pp_microbatches or p.pp * stages_per_rank(cfg)
 
 
 def parallelize_model(model: Llama, mesh, cfg: JobConfig) -> Llama:
@@ -93,45 +116,94 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_config:
         print(config_to_toml(cfg), end="")
         return
+    if args.dry_run:
+        from training.dry_run import dry_run
+
+        dry_run(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", 1)), args.rank, args.gpus_per_node)
+        return
     device_type = resolve_device(cfg)
     tokenizer = build_tokenizer(cfg.training.tokenizer)
     dims = build_parallel_dims(cfg)
     model = build_model(cfg, tokenizer.vocab_size)
-    check_layout(cfg, dims, model)
+    stage_layers = check_layout(cfg, dims, model)
 
     mesh = dims.build_mesh(device_type)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     rank = dist.get_rank()
-    model = parallelize_model(model, mesh, cfg)
-    model.init_weights(seed=cfg.training.seed, device=device)
+    num_params = sum(p.numel() for p in model.parameters())  # the whole model, still on meta
+    num_embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    pp_mesh = submesh(mesh, "pp")
+    # Under a pipeline this rank keeps only its stages (cut from the meta model: nothing
+    # else is ever allocated); each is parallelized over the rest of the mesh.
+    parts = [(0, model)] if pp_mesh is None else split_into_stages(
+        model, pp_mesh, stage_layers, style=SCHEDULES[cfg.parallelism.pp_schedule][1])
+    model_parts = [parallelize_model(part, mesh, cfg) for _, part in parts]
+    for part in model_parts:
+        part.init_weights(seed=cfg.training.seed, device=device)
 
     dp_rank, dp_size = mesh_coordinate(mesh, "dp")
     data, _ = build_dataloader(cfg.training, dp_rank=dp_rank, dp_size=dp_size)
     o, s = cfg.optimizer, cfg.lr_scheduler
-    optimizer = build_optimizer(model, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                                weight_decay=o.weight_decay)
-    scheduler = build_lr_scheduler(optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
-                                   decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio, decay_ratio=s.decay_ratio)
+    optimizer = Optimizers(model_parts, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                           weight_decay=o.weight_decay)
+    scheduler = Schedulers(optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
+                           decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio, decay_ratio=s.decay_ratio)
     run_dir = Path(cfg.job.output_dir) / cfg.job.name
-    metrics = MetricsLogger(run_dir / "tb", rank=rank, log_freq=cfg.metrics.log_freq,
-                            enable_tensorboard=cfg.metrics.enable_tensorboard, config_text=config_to_toml(cfg))
 
-    num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
-    num_embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    start_step, checkpoint = 0, None
+    if cfg.checkpoint.enable:
+        c = cfg.checkpoint
+        checkpoint = CheckpointManager(run_dir / c.folder, parts=model_parts, optimizers=optimizer,
+                                       schedulers=scheduler, model_config=model.cfg,
+                                       job_config_text=config_to_toml(cfg), interval=c.interval,
+                                       keep_latest_k=c.keep_latest_k, async_save=c.async_save,
+                                       last_save_model_only=c.last_save_model_only,
+                                       export_dtype=getattr(torch, c.export_dtype))
+        start_step, data_state = checkpoint.resume(c.load_step)
+        if data_state:
+            data.load_state_dict(data_state)  # refuses a different dataset / seq_len / batch
+    if start_step == 0 and cfg.checkpoint.initial_load_hf:
+        from models.llama.hf import load_hf_weights_
+
+        for part in model_parts:  # each rank reads only its own shards of each tensor
+            load_hf_weights_(part, cfg.checkpoint.initial_load_hf)
+    metrics = MetricsLogger(run_dir / "tb", rank=rank, log_freq=cfg.metrics.log_freq,
+                            enable_tensorboard=cfg.metrics.enable_tensorboard, config_text=config_to_toml(cfg),
+                            purge_step=start_step + 1 if start_step else None)
+
     flops = flops_per_token(num_params, num_embedding, model.cfg.n_layers, model.cfg.dim, cfg.training.seq_len)
     peak = device_peak_flops(device)
     tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
     use_loss_parallel = submesh(mesh, "tp") is not None and cfg.parallelism.loss_parallel
     dp_mesh = submesh(mesh, "dp")
+    schedule = None
+    if pp_mesh is not None:
+        ids = [i for i, _ in parts]
+        first, last = 0 in ids, len(stage_layers) - 1 in ids  # feeds tokens / computes the loss
+        n_micro = pp_microbatches(cfg)
+        schedule = build_schedule(cfg.parallelism.pp_schedule, list(zip(ids, model_parts)),
+                                  pp_mesh, n_microbatches=n_micro, n_stages=len(stage_layers), device=device,
+                                  loss_fn=pipeline_loss_fn(n_micro * data.grad_accum_steps))
     if rank == 0:
+        pipeline = "" if pp_mesh is None else (
+            f" | {cfg.parallelism.pp_schedule}: {len(stage_layers)} stages of "
+            f"{'/'.join(str(len(s)) for s in stage_layers)} layers, {n_micro} micro-batches")
+        resumed = f" | resumed at step {start_step}" if start_step else ""
         print(f"meshtrain: {mesh} | {num_params / 1e6:,.1f}M parameters | "
-              f"{data.grad_accum_steps} micro-batch(es) per step | logs in {run_dir}", flush=True)
+              f"{data.grad_accum_steps} micro-batch(es) per step{pipeline}{resumed} | logs in {run_dir}", flush=True)
 
-    for step in range(1, cfg.training.steps + 1):
+    for step in range(start_step + 1, cfg.training.steps + 1):
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(model, optimizer, data.batch(step - 1), max_norm=cfg.training.max_norm,
-                                     loss_parallel=use_loss_parallel, dp_mesh=dp_mesh, device=device)
+        if schedule is None:
+            loss, grad_norm = train_step(model_parts[0], optimizer, data.batch(step - 1),
+                                         max_norm=cfg.training.max_norm, loss_parallel=use_loss_parallel,
+                                         dp_mesh=dp_mesh, device=device)
+        else:
+            loss, grad_norm = pipeline_train_step(schedule, model_parts, optimizer, data.batch(step - 1),
+                                                  first=first, last=last, max_norm=cfg.training.max_norm,
+                                                  loss_parallel=use_loss_parallel, dp_mesh=dp_mesh,
+                                                  pp_mesh=pp_mesh, device=device)
         scheduler.step()
         if metrics.should_log(step):
             # Per device, the convention published throughput numbers use.
@@ -141,6 +213,10 @@ def main(argv: list[str] | None = None) -> None:
                 scalars["mfu"] = 100 * tps * flops / peak
             scalars.update(memory_stats(device))
             metrics.log(step, scalars)
+        if checkpoint is not None and checkpoint.should_save(step, last=step == cfg.training.steps):
+            checkpoint.save(step, data_state=data.state_dict(), last=step == cfg.training.steps)
+    if checkpoint is not None:
+        checkpoint.close()
     metrics.close()
     dist.destroy_process_group()
 
@@ -152,7 +228,7 @@ def run(argv: list[str] | None = None) -> int:
     try:
         main(argv)
         return 0
-    except (ConfigError, LayoutError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, LayoutError, CheckpointError, ValueError, FileNotFoundError) as err:
         if debug:
             traceback.print_exc()
         if int(os.environ.get("RANK", 0)) == 0:

@@ -4,12 +4,15 @@
     mesh = ParallelDims(dp_shard=-1, tp=2).build_mesh()
     model = parallelize(model, mesh, sharding_strategy="FULL_SHARD")
 
+With pipeline stages: `split_into_stages` cuts the meta model, `parallelize` each stage,
+`build_schedule` runs them (see parallel/pipeline.py).
+
 Knows no model: a model brings its TP plan (`tp_plan()`) and FSDP units (`fsdp_units()`),
 or the caller passes them.
 """
 
 from parallel.activation_checkpoint import AC_MODES, apply_ac, apply_compile
-from parallel.fsdp import STRATEGIES, apply_fsdp, fsdp_mesh, mixed_precision_policy
+from parallel.fsdp import STRATEGIES, apply_fsdp, fsdp_mesh, mixed_precision_policy, resolve_strategy
 from parallel.grad_clip import clip_grad_norm_
 from parallel.init import init_param_, materialize
 from parallel.mesh import (
@@ -23,6 +26,7 @@ from parallel.mesh import (
     submesh,
 )
 from parallel.parallelize import parallelize
+from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages, split_layers, stage_ids
 from parallel.tensor_parallel import apply_tp, loss_parallel_context
 from parallel.wrap import modules_to_wrap
 
@@ -31,4 +35,6 @@ __all__ = [
     "check_tp_fits", "clip_grad_norm_", "default_device_type", "fsdp_mesh", "init_distributed",
     "init_param_", "loss_parallel_context", "materialize", "mesh_coordinate",
     "mixed_precision_policy", "modules_to_wrap", "parallelize", "submesh",
+    "SCHEDULES", "build_schedule", "check_pipeline", "resolve_strategy", "split_into_stages", "split_layers",
+    "stage_ids",
 ]

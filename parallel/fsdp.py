@@ -45,6 +45,21 @@ def mixed_precision_policy(param_dtype: str = "bfloat16", reduce_dtype: str = "f
     return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
 
 
+def resolve_strategy(strategy: str, mesh: DeviceMesh) -> str:
+    """``"auto"`` picks for the mesh: under a pipeline SHARD_GRAD_OP, because each stage runs
+    forward once per micro-batch and FULL_SHARD would re-gather its parameters every time;
+    otherwise FULL_SHARD. With both dp_replicate and dp_shard > 1, the HYBRID_SHARD form
+    of either; with dp_replicate alone, NO_SHARD (plain replicas)."""
+    if strategy != "auto":
+        return strategy
+    zero2 = submesh(mesh, "pp") is not None
+    if submesh(mesh, "dp_replicate") is not None and submesh(mesh, "dp_shard") is not None:
+        return "HYBRID_SHARD_ZERO2" if zero2 else "HYBRID_SHARD"
+    if submesh(mesh, "dp_replicate") is not None:
+        return "NO_SHARD"
+    return "SHARD_GRAD_OP" if zero2 else "FULL_SHARD"
+
+
 def fsdp_mesh(mesh: DeviceMesh, strategy: str) -> DeviceMesh | None:
     """The data-parallel mesh FSDP works over for ``strategy``; None when there is no data
     parallelism. A 2-D mesh means HSDP: replicate over dim 0, shard over dim 1."""

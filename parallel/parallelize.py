@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from parallel.activation_checkpoint import apply_ac, apply_compile
-from parallel.fsdp import apply_fsdp, fsdp_mesh
+from parallel.fsdp import apply_fsdp, fsdp_mesh, resolve_strategy
 from parallel.mesh import check_tp_fits, submesh
 from parallel.tensor_parallel import apply_tp
 from parallel.wrap import modules_to_wrap
@@ -36,6 +36,8 @@ def parallelize(
     compile: bool = False,
 ) -> nn.Module:
     """Apply TP (where the mesh has a tp dimension) and FSDP (where it has data parallelism).
+    ``sharding_strategy="auto"`` chooses by the mesh (see `resolve_strategy`). For a
+    pipeline, call it on each stage module with the whole mesh.
 
     The model says how: ``model.tp_plan(...)`` and ``model.fsdp_units()`` if it defines them;
     otherwise pass ``tp_plan`` and either ``fsdp_units``, ``block_classes`` (transformer
@@ -58,6 +60,7 @@ def parallelize(
         if compile:
             apply_compile(model.transformer_blocks())
 
+    sharding_strategy = resolve_strategy(sharding_strategy, mesh)
     dp_mesh = fsdp_mesh(mesh, sharding_strategy)
     if dp_mesh is None:
         if mixed_precision is not None or cpu_offload:

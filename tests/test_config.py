@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import (CONFIGS_DIR, LLAMA_FLAVORS, SECTIONS, ConfigError, JobConfig,
+from training.config import (PP_SCHEDULES, default_of, CONFIGS_DIR, LLAMA_FLAVORS, SECTIONS, ConfigError, JobConfig,
                              config_to_dict, config_to_toml, format_help, load_config,
                              parse_args, tomllib, validate)
 
@@ -26,7 +26,7 @@ def changed(section) -> object:
     """The section with every field set to a valid non-default value (where one exists)."""
     new = {}
     for f in dataclasses.fields(section):
-        v, meta = f.default, f.metadata
+        v, meta = default_of(f), f.metadata
         if "choices" in meta:
             new[f.name] = next((c for c in meta["choices"] if c != v), v)
         elif f.type is bool:
@@ -35,6 +35,8 @@ def changed(section) -> object:
             new[f.name] = 3 if v in meta.get("also", ()) else v + 1
         elif f.type is float:
             new[f.name] = v / 2
+        elif f.type == list[int]:
+            new[f.name] = v + [3, 7]
         else:  # a string that needs every kind of TOML escaping
             new[f.name] = v + ' "quoted" back\\slash\ttab\nnewline é \x7f'
     return dataclasses.replace(section, **new)
@@ -74,6 +76,15 @@ def test_llama_flavors_match_the_model_registry():
     pytest.importorskip("torch")
     from models.llama.model import FLAVORS
     assert tuple(FLAVORS) == LLAMA_FLAVORS
+
+
+def test_pipeline_schedules_match_parallel_and_the_installed_torch():
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from parallel.pipeline import SCHEDULES
+    assert tuple(SCHEDULES) == PP_SCHEDULES
+    for name in PP_SCHEDULES:
+        get_schedule_class(name)  # raises for a name this torch does not have
 
 
 # ---------------------------------------------------------------- precedence and syntax
@@ -309,7 +320,8 @@ def test_unknown_flag_is_an_error():
 
 
 def test_world_size_must_be_a_positive_integer():
-    assert "--world-size=abc must be a positive integer" in error(parse_args, ["--world-size", "abc"])
+    assert "--world-size=abc must be an integer >= 1" in error(parse_args, ["--world-size", "abc"])
+    assert "--rank=-1 must be an integer >= 0" in error(parse_args, ["--rank=-1"])
 
 
 def test_help_prints_every_key_and_exits(capsys):

@@ -47,3 +47,10 @@ def test_dp2_tp2_matches_one_process(script):
     single = run_single(script, "--tp", "1")
     assert_learns(single)
     torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=0)
+
+
+def test_pipeline_example_pp2_dp2_matches_one_process():
+    pipeline = run_torchrun("examples/compose_3d.py")  # pp 2 x dp_shard 2, 1F1B
+    assert_learns(pipeline)
+    single = run_single("examples/compose_2d.py", "--tp", "1")
+    torch.testing.assert_close(torch.tensor(pipeline), torch.tensor(single), rtol=1e-5, atol=0)

@@ -1,5 +1,8 @@
-"""Every 2-D layout reproduces the single-process fp32 run: losses, gradient norms, and the
-full weights at init and after 8 AdamW steps with gradient clipping active."""
+"""Every layout reproduces the single-process fp32 run: losses, gradient norms, and the
+full weights at init and after 8 AdamW steps with gradient clipping active. 2-D layouts
+(FSDP x TP) run on 4 processes; pipeline layouts on 2, 4 or 8."""
+
+import math
 
 import pytest
 import torch
@@ -17,6 +20,21 @@ def runs(tmp_path_factory):
     return {name: torch.load(out / f"{name}.pt") for name in parity.LAYOUTS}
 
 
+def _world(layout: str) -> int:
+    return math.prod(parity.PP_LAYOUTS[layout][0].values())
+
+
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory):
+    """One torchrun job per world size, each training its pipeline layouts in turn."""
+    out = tmp_path_factory.mktemp("parity_pp")
+    for nproc in sorted({_world(name) for name in parity.PP_LAYOUTS}):
+        names = [name for name in parity.PP_LAYOUTS if _world(name) == nproc]
+        proc = torchrun("tests/workers/parity.py", str(out), *names, nproc=nproc, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {name: torch.load(out / f"{name}.pt") for name in parity.PP_LAYOUTS}
+
+
 _references = {}
 
 
@@ -30,7 +48,22 @@ def reference(overrides: dict) -> dict:
 
 @pytest.mark.parametrize("layout", list(parity.LAYOUTS))
 def test_layout_matches_single_process(runs, layout):
-    got, want = runs[layout], reference(parity.LAYOUTS[layout][2])
+    assert_matches(runs[layout], reference(parity.LAYOUTS[layout][2]), layout)
+
+
+@pytest.mark.parametrize("layout", list(parity.PP_LAYOUTS))
+def test_pipeline_layout_matches_single_process(pp_runs, layout):
+    assert_matches(pp_runs[layout], reference({}), layout)
+
+
+def test_pipeline_stages_hold_every_layer_once(pp_runs):
+    assert pp_runs["pp2_1f1b"]["layers"] == [[0, 1], [2, 3]]
+    assert pp_runs["pp2_uneven_accum"]["layers"] == [[0], [1, 2, 3]]
+    assert pp_runs["pp2_interleaved"]["layers"] == [[0], [1], [2], [3]]
+
+
+def assert_matches(got: dict, want: dict, layout: str) -> None:
+    assert set(got["init"]) == set(want["init"]), f"{layout}: parameters missing or extra"
     for name, w in want["init"].items():
         assert torch.equal(got["init"][name], w), f"{layout}: initial {name} differs"
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=0)

@@ -34,8 +34,8 @@ def test_debug_2d_trains_on_four_processes_and_writes_tensorboard(tmp_path):
     assert "step   20 | loss" in proc.stdout
 
 
-def _losses(tmp_path, name, nproc, *overrides):
-    args = ["--config", "debug_2d", "--training.steps", "6", "--training.seq_len", "64",
+def _losses(tmp_path, name, nproc, *overrides, config="debug_2d"):
+    args = ["--config", config, "--training.steps", "6", "--training.seq_len", "64",
             f"--job.output_dir={tmp_path}", f"--job.name={name}", *overrides]
     if nproc == 1:
         proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
@@ -60,6 +60,16 @@ def test_single_process_dp2_tp2_and_hybrid_give_the_same_losses(tmp_path, single
     accum = _losses(tmp_path, "accum", 4, "--training.local_batch_size=1")
     assert len(single) == 6
     for other in (two_d, hybrid, accum):
+        torch.testing.assert_close(other, single, rtol=1e-4, atol=0)
+
+
+def test_debug_3d_and_interleaved_pipeline_with_accumulation_give_the_same_losses(tmp_path, single):
+    three_d = _losses(tmp_path, "debug_3d", 8, config="debug_3d")  # pp 2 x dp_shard 2 x tp 2
+    # 2 virtual stages per rank, 2 accumulation steps of 2 sequences, each cut in 2.
+    interleaved = _losses(tmp_path, "interleaved", 4, "--parallelism.pp=2", "--parallelism.tp=1",
+                          "--parallelism.pp_schedule=Interleaved1F1B", "--training.local_batch_size=2",
+                          "--parallelism.pp_microbatches=2", "--activation_checkpoint.mode=full")
+    for other in (three_d, interleaved):
         torch.testing.assert_close(other, single, rtol=1e-4, atol=0)
 
 
@@ -110,6 +120,14 @@ def test_impossible_layout_stops_every_rank_before_the_process_group(tmp_path):
     assert proc.returncode != 0
     assert "pp*dp_replicate*dp_shard*tp = 1*1*2*3 = 6, but the world size is 4" in proc.stderr
     assert 'train.py", line' not in proc.stderr  # torchrun's own summary may follow; ours has no traceback
+
+
+def test_bad_pipeline_config_stops_every_rank_with_the_reason(tmp_path):
+    proc = torchrun("train.py", "--config", "debug_2d", "--parallelism.pp=2", "--parallelism.tp=1",
+                    "--parallelism.pp_microbatches=3", nproc=4, timeout=120)
+    assert proc.returncode != 0
+    assert "pp_microbatches = 3 must divide the sequences each pipeline runs per forward (local batch 4)" in proc.stderr
+    assert 'train.py", line' not in proc.stderr
 
 
 def test_print_config_shows_merged_values():

@@ -30,6 +30,9 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # imports torch (a test keeps the two lists equal).
 LLAMA_FLAVORS = ("debug", "1B", "8B", "70B", "405B")
 DTYPES = ("float32", "bfloat16")
+# The keys of parallel.pipeline.SCHEDULES (the same test keeps them equal).
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                "ZBVZeroBubble", "DualPipeV")
 
 
 class ConfigError(Exception):
@@ -38,10 +41,17 @@ class ConfigError(Exception):
 
 def opt(default, help: str, **checks):
     """A config field. ``checks`` is data for the validator and the help text:
-    choices; min/max (inclusive) and gt/lt (exclusive) bounds; also (values accepted
-    outside the range, such as -1 = infer); aliases (spellings people try for this key,
-    e.g. torchtitan's names, so the typo message can point at the right one)."""
+    choices; min/max (inclusive) and gt/lt (exclusive) bounds, which apply to each item
+    of a list; also (values accepted outside the range, such as -1 = infer); aliases
+    (spellings people try for this key, e.g. torchtitan's names, so the typo message can
+    point at the right one). A list default is copied for every config."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **checks})
     return field(default=default, metadata={"help": help, **checks})
+
+
+def default_of(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 @dataclass
@@ -105,11 +115,21 @@ class ParallelismSection:
                   aliases=("tensor_parallel", "tensor_parallel_degree", "tp_degree"))
     pp: int = opt(1, "pipeline-parallel stages", min=1,
                   aliases=("pipeline_parallel", "pipeline_parallel_degree", "pp_degree"))
-    pp_schedule: str = opt("1F1B", "pipeline schedule", aliases=("pipeline_parallel_schedule",))
-    pp_microbatches: int = opt(0, "pipeline micro-batches per step; 0: as many as stages", min=0,
+    pp_schedule: str = opt("1F1B", "pipeline schedule (torch.distributed.pipelining)", choices=PP_SCHEDULES,
+                           aliases=("pipeline_parallel_schedule",))
+    pp_microbatches: int = opt(0, "micro-batches the schedule cuts each local batch into; "
+                               "0: one per pipeline stage", min=0,
                                aliases=("pipeline_parallel_microbatches", "microbatches"))
-    sharding_strategy: str = opt("FULL_SHARD", "what FSDP shards and when it reshards",
-                                 choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
+    pp_stages_per_rank: int = opt(0, "virtual stages per pp rank (looped / V schedules); "
+                                  "0: 1 for GPipe/1F1B, else 2", min=0)
+    pp_layers_per_stage: int = opt(0, "layers in each stage (the last takes the rest); "
+                                   "0: split as evenly as possible", min=0,
+                                   aliases=("pipeline_parallel_layers_per_stage",))
+    pp_split_points: list[int] = opt([], "first layer of each stage after the first, e.g. [8, 16, 24]",
+                                     min=1, aliases=("pipeline_parallel_split_points",))
+    sharding_strategy: str = opt("auto", "what FSDP shards and when it reshards; auto: FULL_SHARD, "
+                                 "SHARD_GRAD_OP under a pipeline, HYBRID_* with dp_replicate > 1",
+                                 choices=("auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
                                           "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"))
     sequence_parallel: bool = opt(True, "shard norms/residuals over the sequence inside TP")
     loss_parallel: bool = opt(True, "cross-entropy on vocab-sharded logits inside TP")
@@ -118,10 +138,18 @@ class ParallelismSection:
 
 @dataclass
 class CheckpointSection:
-    enable: bool = opt(False, "save and resume checkpoints")
+    enable: bool = opt(False, "save checkpoints, and resume from the newest one at start")
     folder: str = opt("checkpoint", "checkpoint folder, inside the job's output folder")
-    interval: int = opt(500, "save every this many steps", min=1)
+    interval: int = opt(500, "save every this many steps (and at the last step)", min=1)
     keep_latest_k: int = opt(0, "checkpoints to keep; 0 keeps all", min=0)
+    async_save: bool = opt(False, "write checkpoints in the background while training goes on",
+                           aliases=("async_mode",))
+    load_step: int = opt(0, "resume from this step's checkpoint; 0: the newest complete one", min=0)
+    last_save_model_only: bool = opt(False, "the last step saves model weights only (export_dtype)",
+                                     aliases=("last_save_model_weights_only",))
+    export_dtype: str = opt("float32", "dtype of the model-only last save", choices=DTYPES)
+    initial_load_hf: str = opt("", "a Hugging Face Llama folder (config.json + *.safetensors) to "
+                               "start from when there is no checkpoint to resume")
 
 
 @dataclass
@@ -164,13 +192,20 @@ CLI = "command line"  # the source name used in messages for --section.key overr
 # ---------------------------------------------------------------- values and messages
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               list[int]: "a list of integers, like [8, 16] (on the command line: 8,16)"}
 
 
 def _coerce(value, typ, from_cli: bool):
     """``value`` as a ``typ``; ValueError when it is not one. Command-line values are
     strings to convert; TOML values must already have the type (an int is fine for a
     float; a bool is never an int, though Python thinks so)."""
+    if typ == list[int]:
+        if from_cli:
+            return [int(v) for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        if type(value) is not list or any(type(v) is not int for v in value):
+            raise ValueError(value)
+        return value
     if from_cli:
         if typ is bool:
             word = value.strip().lower()
@@ -190,6 +225,8 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)  # repr round-trips floats exactly; inf and nan are TOML too
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, str):  # JSON string escapes are all valid TOML basic-string escapes
         return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     return repr(v)  # only in messages about a wrong-typed value
@@ -231,6 +268,8 @@ def _field(section: str, key: str, source: str) -> dataclasses.Field:
 
 
 def _accepts(meta, value) -> bool:
+    if isinstance(value, list):
+        return all(_accepts(meta, v) for v in value)
     if "choices" in meta:
         return value in meta["choices"]
     if value in meta.get("also", ()):
@@ -426,14 +465,16 @@ def config_to_toml(cfg: JobConfig) -> str:
 
 def format_help() -> str:
     """Usage plus every key with its default, accepted values and meaning."""
-    lines = ["usage: train.py [--config NAME_OR_PATH] [--print-config] [--debug] [--dry-run]",
-             "                [--world-size N] [--section.key VALUE ...]", ""]
+    lines = ["usage: train.py [--config NAME_OR_PATH] [--print-config] [--debug] [--section.key VALUE ...]",
+             "       train.py --config NAME --dry-run [--world-size N] [--rank R] [--gpus-per-node G]",
+             "                (trace one step of rank R at world size N on a fake process group: mesh,",
+             "                 memory breakdown, communication; no GPU needed)", ""]
     for name, cls in SECTIONS.items():
         lines.append(f"[{name}]")
         for f in fields(cls):
             accepted = describe_accepted(f.metadata)
             accepted = "" if accepted == "any value" else f" ({accepted})"
-            lines.append(f"  --{name}.{f.name}={_toml_value(f.default)}".ljust(50)
+            lines.append(f"  --{name}.{f.name}={_toml_value(default_of(f))}".ljust(50)
                          + f" {f.metadata['help']}{accepted}")
     return "\n".join(lines)
 
@@ -446,11 +487,15 @@ class CliArgs:
     config_path: str | None = None  # the file found for --config
     print_config: bool = False
     dry_run: bool = False
-    world_size: int | None = None
+    world_size: int | None = None     # --dry-run: the world to plan for (default: launched)
+    rank: int = 0                     # --dry-run: whose view to trace
+    gpus_per_node: int = 8            # --dry-run: to say which node each rank lands on
     overrides: list[str] = field(default_factory=list)
 
 
-_FLAGS = ("--config NAME_OR_PATH", "--print-config", "--debug", "--dry-run", "--world-size N")
+_FLAGS = ("--config NAME_OR_PATH", "--print-config", "--debug", "--dry-run", "--world-size N", "--rank R",
+          "--gpus-per-node G")
+_INT_FLAGS = {"--world-size": ("world_size", 1), "--rank": ("rank", 0), "--gpus-per-node": ("gpus_per_node", 1)}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, CliArgs]:
@@ -464,17 +509,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, CliArgs]:
         if flag in ("-h", "--help"):
             print(format_help())
             raise SystemExit(0)
-        if flag in ("--config", "--world-size"):
+        if flag == "--config" or flag in _INT_FLAGS:
             if not eq:
                 if i == len(argv):
                     raise ConfigError(f"{CLI}: {flag} needs a value")
                 value, i = argv[i], i + 1
             if flag == "--config":
                 config = value
-            elif not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"{CLI}: --world-size={value} must be a positive integer")
-            else:
-                args.world_size = int(value)
+                continue
+            name, least = _INT_FLAGS[flag]
+            if not value.isdigit() or int(value) < least:
+                raise ConfigError(f"{CLI}: {flag}={value} must be an integer >= {least}")
+            setattr(args, name, int(value))
         elif flag in ("--print-config", "--dry-run", "--debug"):
             if eq:
                 raise ConfigError(f"{CLI}: {flag} takes no value")

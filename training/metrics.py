@@ -121,7 +121,9 @@ class MetricsLogger:
     """
 
     def __init__(self, log_dir: str | Path, *, rank: int, log_freq: int, enable_tensorboard: bool,
-                 config_text: str | None = None):
+                 config_text: str | None = None, purge_step: int | None = None):
+        """``purge_step``: a resumed run's first step; TensorBoard drops what an earlier,
+        interrupted run logged from there on, so the curve shows each step once."""
         if log_freq < 1:
             raise ValueError(f"log_freq must be >= 1, got {log_freq}")
         self.log_dir = Path(log_dir)
@@ -129,6 +131,7 @@ class MetricsLogger:
         self.log_freq = log_freq
         self.enable_tensorboard = enable_tensorboard and rank == 0
         self.config_text = config_text
+        self.purge_step = purge_step
         self._writer = None  # created on the first write: no empty event files, no import on other ranks
 
     def should_log(self, step: int) -> bool:
@@ -157,7 +160,7 @@ class MetricsLogger:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.log_dir))
+            self._writer = SummaryWriter(str(self.log_dir), purge_step=self.purge_step)
             if self.config_text is not None:
                 # Fenced so TensorBoard's markdown keeps the config's line breaks and indentation.
                 self._writer.add_text("config", f"```\n{self.config_text}\n```", 0)

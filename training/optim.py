@@ -92,3 +92,47 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, t
                          decay_type=decay_type, min_lr_ratio=min_lr_ratio, decay_ratio=decay_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+class Optimizers:
+    """One AdamW per model part (the pipeline stages on this rank; one part without a
+    pipeline), stepped as one. One per part because a checkpoint keys optimizer state by
+    parameter name, and torch's state-dict API maps an optimizer's parameters to the
+    names of one module: a part's names are the whole model's, whatever the cut."""
+
+    def __init__(self, parts: list[nn.Module], **adamw):
+        self.parts = list(parts)
+        self.optimizers = [build_optimizer(part, **adamw) for part in self.parts]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+
+class Schedulers:
+    """The same LR schedule on each of `Optimizers`' optimizers."""
+
+    def __init__(self, optimizers: Optimizers, **schedule):
+        self.schedulers = [build_lr_scheduler(opt, **schedule) for opt in optimizers.optimizers]
+
+    def step(self) -> None:
+        for sched in self.schedulers:
+            sched.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()  # identical for every part
+
+    def load_state_dict(self, state: dict) -> None:
+        for sched in self.schedulers:
+            sched.load_state_dict(state)
+            # LambdaLR sets the lr only on step(); the next optimizer step must already
+            # use the resumed step's lr, not the first step's.
+            for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr()):
+                group["lr"] = lr

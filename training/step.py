@@ -28,9 +28,7 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                device: torch.device | None = None) -> tuple[float, float]:
     """Returns (loss averaged over the global batch, global gradient norm before clipping).
     ``loss_parallel``: the logits are vocab-sharded DTensors (TP with loss_parallel)."""
-    if device is None:  # where the parameters (or their local shards) live
-        param = next(model.parameters())
-        device = param.to_local().device if isinstance(param, DTensor) else param.device
+    device = device or _device_of(model)  # where the parameters (or their local shards) live
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for inputs, labels in micro_batches:
@@ -45,3 +43,48 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
         # Reporting only: the gradients were already averaged by FSDP.
         dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_mesh.get_group())
     return total.item(), grad_norm.item()
+
+
+def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, first: bool, last: bool,
+                        max_norm: float = 0.0, loss_parallel: bool = False,
+                        dp_mesh: DeviceMesh | None = None, pp_mesh: DeviceMesh | None = None,
+                        device: torch.device | None = None) -> tuple[float, float]:
+    """`train_step` for a pipeline: the schedule runs this rank's stages (``model_parts``)
+    over each micro-batch, cut again into the schedule's own micro-batches. ``first`` /
+    ``last``: this rank holds the first / last stage (feeds tokens / computes the loss).
+
+    The schedule's loss function must divide by every micro-batch of the step (see
+    `pipeline_loss_fn`). Returns the same values as `train_step` on every rank."""
+    device = device or _device_of(model_parts[0])
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    for inputs, labels in micro_batches:
+        args = (inputs.to(device),) if first else ()
+        target = labels.to(device) if last else None
+        losses: list[torch.Tensor] = []  # step() empties the list it is given
+        with loss_parallel_context(loss_parallel):
+            schedule.step(*args, target=target, losses=losses if last else None, return_outputs=False)
+        for loss in losses:
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+    params = [p for part in model_parts for p in part.parameters()]
+    grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh)
+    optimizer.step()
+    # Reporting only: the loss exists on the last stage; share it with every rank.
+    if pp_mesh is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    if dp_mesh is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_mesh.get_group())
+    return total.item(), grad_norm.item()
+
+
+def pipeline_loss_fn(micro_batches_per_step: int):
+    """Cross-entropy for one schedule micro-batch, scaled so the step's losses (and so
+    the gradients) add up to the mean over all of them."""
+    def loss_fn(logits, labels):
+        return cross_entropy(logits, labels) / micro_batches_per_step
+    return loss_fn
+
+
+def _device_of(model) -> torch.device:
+    param = next(model.parameters())
+    return param.to_local().device if isinstance(param, DTensor) else param.device

@@ -8,6 +8,7 @@ on full weights or on TP shards.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 
@@ -104,6 +105,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         # Under TP these projections hold only this rank's heads; "(h d)" with d fixed
         # recovers the local head count, so no TP-specific code is needed here.
+        # cos/sin come for every position up to max_seq_len: only here, after sequence
+        # parallel has gathered the sequence, is its full length known on every stage.
+        cos, sin = cos[: x.shape[1]], sin[: x.shape[1]]
         q = rearrange(self.wq(x), "b s (h d) -> b s h d", d=self.head_dim)
         k = rearrange(self.wk(x), "b s (h d) -> b s h d", d=self.head_dim)
         v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
@@ -172,11 +176,10 @@ class Llama(nn.Module):
         return model
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` are hidden states [b, s, dim] on pipeline stages after the first."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq_len = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, self.rope_cos, self.rope_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
@@ -194,6 +197,22 @@ class Llama(nn.Module):
         if head:
             units.append(head)
         return units
+
+    def pipeline_stage(self, layer_ids: list[int], *, first: bool, last: bool) -> "Llama":
+        """A copy holding only ``layer_ids`` (plus the embeddings if ``first``, the final
+        norm and output if ``last``). Call it on the meta model, where copying is free."""
+        if self.cfg.tie_embeddings and not (first and last):
+            raise ValueError("tied embeddings (the 1B flavor) cannot be split over pipeline stages: "
+                             "the embedding sits on the first stage and the output on the last")
+        stage = copy.deepcopy(self)
+        keep = {str(i) for i in layer_ids}
+        for name in [n for n in stage.layers if n not in keep]:
+            del stage.layers[name]
+        if not first:
+            stage.tok_embeddings = None
+        if not last:
+            stage.norm = stage.output = None
+        return stage
 
     def transformer_blocks(self) -> nn.ModuleDict:
         """The repeated blocks (activation checkpointing and compile wrap these)."""

@@ -39,6 +39,24 @@ LAYOUTS = {
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
+# Pipeline layouts: name -> (ParallelDims kwargs, schedule, options). Options: strategy
+# (default "auto" = SHARD_GRAD_OP under PP), stages per rank, micro-batches, split points,
+# accumulation (batches per step through the schedule).
+PP_LAYOUTS = {
+    "pp2_1f1b": (dict(pp=2, dp_shard=1), "1F1B", dict(micro=4)),
+    "pp2_gpipe": (dict(pp=2, dp_shard=1), "GPipe", dict(micro=2)),
+    "pp2_uneven_accum": (dict(pp=2, dp_shard=1), "1F1B", dict(micro=2, split=[1], accum=2)),
+    "pp2_interleaved": (dict(pp=2, dp_shard=1), "Interleaved1F1B", dict(per_rank=2, micro=4)),
+    "pp2_looped_bfs": (dict(pp=2, dp_shard=1), "LoopedBFS", dict(per_rank=2, micro=2)),
+    "pp2_zero_bubble": (dict(pp=2, dp_shard=1), "InterleavedZeroBubble", dict(per_rank=2, micro=4)),
+    "pp2_zbv": (dict(pp=2, dp_shard=1), "ZBVZeroBubble", dict(per_rank=2, micro=4)),
+    "pp2_dualpipev": (dict(pp=2, dp_shard=1), "DualPipeV", dict(per_rank=2, micro=4)),
+    "pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2)),
+    "pp2_dp2_full_shard": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=4, strategy="FULL_SHARD")),
+    "pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2)),
+    "pp2_dp2_tp2": (dict(pp=2, dp_shard=2, tp=2), "1F1B", dict(micro=2)),
+}
+
 
 def batches(vocab_size: int) -> torch.Tensor:
     """Learnable token streams (arithmetic progressions mod vocab), fixed by a seed."""
@@ -51,6 +69,52 @@ def batches(vocab_size: int) -> torch.Tensor:
 def full_weights(model) -> dict[str, torch.Tensor]:
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for name, p in model.named_parameters()}
+
+
+def run_pipeline(layout: str) -> dict:
+    from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages
+    from training.step import pipeline_loss_fn, pipeline_train_step
+
+    dims, schedule_name, opts = PP_LAYOUTS[layout]
+    micro, accum = opts["micro"], opts.get("accum", 1)
+    mesh = ParallelDims(**dims).build_mesh()
+    pp_mesh, dp_mesh, tp_mesh = submesh(mesh, "pp"), submesh(mesh, "dp"), submesh(mesh, "tp")
+    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    per_rank = BATCH // dp_size
+    model = Llama.from_flavor("debug", meta=True)
+    layers = check_pipeline(pp=pp_mesh.size(), n_layers=model.cfg.n_layers, schedule=schedule_name,
+                            stages_per_rank=opts.get("per_rank", 1), n_microbatches=micro,
+                            local_batch=per_rank // accum, split_points=opts.get("split", ()))
+    parts = split_into_stages(model, pp_mesh, layers, style=SCHEDULES[schedule_name][1])
+    for _, part in parts:
+        parallelize(part, mesh, sharding_strategy=opts.get("strategy", "auto"))
+        part.init_weights(seed=0)
+    modules = [part for _, part in parts]
+    ids = [i for i, _ in parts]
+    schedule = build_schedule(schedule_name, parts, pp_mesh, n_microbatches=micro, n_stages=len(layers),
+                              loss_fn=pipeline_loss_fn(micro * accum), device=torch.device("cpu"))
+    result = {"init": gather_stages(modules, pp_mesh), "losses": [], "grad_norms": [], "layers": layers}
+    optimizer = torch.optim.AdamW(torch.nn.ModuleList(modules).parameters(), lr=LR, weight_decay=0.1)
+    for tokens in batches(model.cfg.vocab_size):
+        local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        steps = [(c[:, :-1], c[:, 1:]) for c in local.chunk(accum)]
+        loss, norm = pipeline_train_step(schedule, modules, optimizer, steps, first=0 in ids,
+                                         last=len(layers) - 1 in ids, max_norm=MAX_NORM,
+                                         loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh, pp_mesh=pp_mesh)
+        result["losses"].append(loss)
+        result["grad_norms"].append(norm)
+    result["final"] = gather_stages(modules, pp_mesh)
+    return result
+
+
+def gather_stages(modules, pp_mesh) -> dict[str, torch.Tensor]:
+    """Full weights of every stage, collected on every rank."""
+    mine = {}
+    for m in modules:
+        mine.update(full_weights(m))
+    everyone = [None] * pp_mesh.size()
+    dist.all_gather_object(everyone, mine, group=pp_mesh.get_group())
+    return {k: v for d in everyone for k, v in d.items()}
 
 
 def run(layout: str | None, model_overrides: dict | None = None) -> dict:
@@ -82,7 +146,7 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     for name in sys.argv[2:]:
-        result = run(name)
+        result = run_pipeline(name) if name in PP_LAYOUTS else run(name)
         if dist.get_rank() == 0:
             torch.save(result, out / f"{name}.pt")
     dist.destroy_process_group()

@@ -1,0 +1,160 @@
+"""Checkpoints through train.py with real torchrun jobs, real DCP files and real deaths:
+a resumed run continues bitwise like an uninterrupted one, a checkpoint loads into other
+layouts, a kill in the middle of a save damages nothing, and bad checkpoints are refused."""
+
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import ROOT, torchrun
+from training.checkpoint import complete_checkpoints
+
+STEPS = 12
+DP2_TP2 = ("--parallelism.dp_shard=2", "--parallelism.tp=2")
+PP2_DP2 = ("--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=1")
+
+
+def args(out, name, *overrides):
+    return ["--config", "debug_2d", f"--training.steps={STEPS}", "--training.seq_len=64",
+            f"--job.output_dir={out}", f"--job.name={name}", "--checkpoint.enable=true",
+            "--checkpoint.interval=6", *overrides]
+
+
+def losses(out, name, first=1) -> torch.Tensor:
+    """Logged losses of steps first..STEPS, each exactly once (a resumed run purges what
+    the interrupted one logged past its checkpoint)."""
+    acc = EventAccumulator(str(out / name / "tb"))
+    acc.Reload()
+    events = acc.Scalars("loss")
+    assert [e.step for e in events] == list(range(first, STEPS + 1)), [e.step for e in events]
+    return torch.tensor([e.value for e in events])
+
+
+def train(out, name, *overrides, nproc=4):
+    proc = torchrun("train.py", *args(out, name, *overrides), nproc=nproc, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def crash(out, name, mode, step, *overrides):
+    proc = torchrun("tests/workers/crash_in_checkpoint.py", mode, str(step), *args(out, name, *overrides),
+                    nproc=4, timeout=300)
+    assert proc.returncode != 0, "the job was meant to die"
+    return proc
+
+
+def steps_saved(out, name):
+    return [s for s, _ in complete_checkpoints(out / name / "checkpoint")]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(out):
+    """dp 2 x tp 2, 12 steps, saving at 6 and 12 in the background (async)."""
+    train(out, "whole", *DP2_TP2, "--checkpoint.async_save=true")
+    return losses(out, "whole")
+
+
+def test_killed_after_a_save_then_rerun_continues_bitwise(out, uninterrupted):
+    crash(out, "resumed", "after-save", 6, *DP2_TP2)
+    assert steps_saved(out, "resumed") == [6]
+    proc = train(out, "resumed", *DP2_TP2)  # the same command again
+    assert "resumed at step 6" in proc.stdout
+    assert torch.equal(losses(out, "resumed"), uninterrupted)
+    assert steps_saved(out, "resumed") == [6, 12]
+
+
+def test_pipeline_run_killed_mid_save_resumes_from_the_previous_checkpoint_bitwise(out):
+    keep = ("--checkpoint.interval=3", "--checkpoint.keep_latest_k=2")
+    train(out, "pp_whole", *PP2_DP2, *keep)
+    assert steps_saved(out, "pp_whole") == [9, 12]  # older ones pruned
+    crash(out, "pp_killed", "mid-save", 12, *PP2_DP2, *keep)
+    folder = out / "pp_killed" / "checkpoint"
+    assert (folder / "step-00000012.tmp").is_dir()  # rank 1's shard got written ...
+    assert not (folder / "step-00000012.tmp" / ".metadata").exists()  # ... the save never finished
+    assert steps_saved(out, "pp_killed") == [6, 9]  # nothing older was damaged
+    proc = train(out, "pp_killed", *PP2_DP2, *keep)
+    assert "resumed at step 9" in proc.stdout
+    assert torch.equal(losses(out, "pp_killed"), losses(out, "pp_whole"))
+    assert steps_saved(out, "pp_killed") == [9, 12]
+    assert not (folder / "step-00000012.tmp").exists()
+
+
+@pytest.mark.parametrize("name,layout", [("fsdp4", ("--parallelism.dp_shard=4", "--parallelism.tp=1")),
+                                         ("pp2_dp2", PP2_DP2)])
+def test_checkpoint_of_dp2_tp2_resumes_under_another_layout(out, uninterrupted, name, layout):
+    src = out / "whole" / "checkpoint" / "step-00000006"
+    dst = out / f"reshard_{name}" / "checkpoint" / "step-00000006"
+    shutil.copytree(src, dst)
+    proc = train(out, f"reshard_{name}", *layout)
+    assert "resumed at step 6" in proc.stdout
+    got = losses(out, f"reshard_{name}", first=7)
+    torch.testing.assert_close(got, uninterrupted[6:], rtol=1e-4, atol=0)
+
+
+def _train_cli(*argv):
+    return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_the_difference(out, uninterrupted):
+    shutil.copytree(out / "whole" / "checkpoint" / "step-00000006",
+                    out / "other" / "checkpoint" / "step-00000006")
+    proc = _train_cli(*args(out, "other", "--parallelism.dp_shard=1", "--parallelism.tp=1",
+                           "--model.vocab_size=384"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "is of another model (vocab_size: checkpoint 320 vs this run 384)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_incomplete_and_half_written_folders_are_not_checkpoints(tmp_path):
+    (tmp_path / "step-00000003").mkdir()
+    (tmp_path / "step-00000003" / ".metadata").write_bytes(b"x")
+    (tmp_path / "step-00000003" / "meta.json").write_text("{}")
+    (tmp_path / "step-00000006.tmp").mkdir()  # a save that died
+    (tmp_path / "step-00000009").mkdir()      # damaged: no metadata
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [s for s, _ in complete_checkpoints(tmp_path)] == [3]
+    assert any("step-00000009" in str(w.message) for w in caught)
+
+
+def test_training_starts_from_a_hugging_face_folder(tmp_path):
+    """Fine-tuning a released model: the first loss is that of the Hugging Face weights."""
+    import train as trainer
+    from models.llama.hf import save_hf
+    from training.config import load_config
+    from training.data import build_dataloader, build_tokenizer
+    from training.step import cross_entropy
+
+    cfg = load_config("debug_2d", args(tmp_path, "hf", "--parallelism.dp_shard=1", "--parallelism.tp=1")[2:])
+    model = trainer.build_model(cfg, build_tokenizer("byte").vocab_size)
+    model.init_weights(seed=5)  # not the run's seed 0: the loss shows which weights were used
+    save_hf(((n, p.detach()) for n, p in model.named_parameters()), model.cfg, tmp_path / "hf_model")
+    data, _ = build_dataloader(cfg.training, dp_rank=0, dp_size=1)
+    with torch.no_grad():
+        want = sum(cross_entropy(model(x), y).item() for x, y in data.batch(0))
+
+    proc = _train_cli(*args(tmp_path, "hf", "--parallelism.dp_shard=1", "--parallelism.tp=1",
+                           "--training.steps=1", f"--checkpoint.initial_load_hf={tmp_path / 'hf_model'}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    acc = EventAccumulator(str(tmp_path / "hf" / "tb"))
+    acc.Reload()
+    assert acc.Scalars("loss")[0].value == pytest.approx(want, rel=1e-5)
+
+
+def test_a_missing_hugging_face_folder_is_a_config_error(tmp_path):
+    proc = _train_cli(*args(tmp_path, "nohf", "--parallelism.dp_shard=1", "--parallelism.tp=1",
+                           f"--checkpoint.initial_load_hf={tmp_path / 'absent'}"))
+    assert proc.returncode == 2
+    assert "initial_load_hf" in proc.stderr and "config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,221 @@
+"""Sharded, resumable, atomic checkpoints with torch.distributed.checkpoint (DCP).
+
+On disk, one folder per saved step:
+
+    {run}/checkpoint/step-00000600/   .metadata + one __R_0.distcp per rank (DCP)
+                                      meta.json          step, lr schedule, data position
+                                      model_config.json  the architecture (export reads it)
+                                      job_config.toml    the run's whole config, for people
+
+What is saved: the model and the optimizer state through torch's layout-agnostic
+state-dict API (keys are parameter names, values DTensors), so a checkpoint written by
+dp_shard 4 loads into dp 2 x tp 2 or into pipeline stages: DCP re-slices each tensor for
+the reader. Each rank writes only its own shards. Only tensors go into DCP files (read
+back with weights_only); everything else is JSON. Loading never unpickles.
+
+Atomic: a save is written to `step-N.tmp` and renamed to `step-N` by rank 0 only after
+DCP's metadata, written last, exists. A crash or kill at any point of a save leaves at
+most a `.tmp` folder, which resume ignores and the next save removes; every `step-N` is
+complete. Resume takes the newest `step-N` that has its metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from concurrent.futures import Future
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+def step_dir(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:08d}"
+
+
+def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    found = []
+    for path in folder.glob("step-*") if folder.is_dir() else ():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir():
+            if (path / ".metadata").is_file() and (path / "meta.json").is_file():
+                found.append((int(match.group(1)), path))
+            else:
+                warnings.warn(f"skipping damaged checkpoint {path}: its DCP metadata or meta.json "
+                              "is missing", stacklevel=2)
+    return sorted(found)
+
+
+def model_state(parts: list[nn.Module]) -> dict:
+    """Parameter name -> tensor (DTensor under FSDP/TP), over every part on this rank."""
+    state = {}
+    for part in parts:
+        state.update(get_model_state_dict(part))
+    return state
+
+
+def optimizer_state(parts: list[nn.Module], optimizers) -> dict:
+    """Flattened optimizer state ("state.<param name>.exp_avg", ...): tensors only. The
+    hyperparameters come from the config and the LR schedule, not from the file."""
+    state = {}
+    for part, opt in zip(parts, optimizers.optimizers):
+        flat = get_optimizer_state_dict(part, opt, options=_FLAT)
+        state.update({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
+    return state
+
+
+class CheckpointManager:
+    """Saves every ``interval`` steps (and at the last step), resumes from the newest."""
+
+    def __init__(self, folder: Path, *, parts: list[nn.Module], optimizers, schedulers, model_config,
+                 job_config_text: str, interval: int, keep_latest_k: int = 0, async_save: bool = False,
+                 last_save_model_only: bool = False, export_dtype: torch.dtype = torch.float32):
+        self.folder = Path(folder)
+        self.parts, self.optimizers, self.schedulers = parts, optimizers, schedulers
+        self.model_config = json.loads(json.dumps(asdict(model_config)))  # tuples -> lists, as in the file
+        self.job_config_text = job_config_text
+        self.interval, self.keep_latest_k = interval, keep_latest_k
+        self.last_save_model_only, self.export_dtype = last_save_model_only, export_dtype
+        self.rank = dist.get_rank()
+        # Async saves talk over their own gloo group, so the background thread's
+        # collectives never interleave with the training step's.
+        self._pg = dist.new_group(backend="gloo") if async_save else None
+        self._pending: tuple[Future, Path, Path, dict] | None = None
+
+    # ---------------------------------------------------------------- resume
+
+    def resume(self, load_step: int = 0) -> tuple[int, dict]:
+        """Load the newest complete checkpoint (or ``load_step``); returns (step, data
+        state) — (0, {}) when there is none. Every rank loads the one rank 0 chose."""
+        choice = [None]
+        if self.rank == 0:
+            found = dict(complete_checkpoints(self.folder))
+            if load_step:
+                if load_step not in found:
+                    choice[0] = ("error", f"[checkpoint] load_step = {load_step}: no complete checkpoint "
+                                          f"for that step in {self.folder} (have: {sorted(found) or 'none'})")
+                else:
+                    choice[0] = ("ok", str(found[load_step]))
+            elif found:
+                choice[0] = ("ok", str(found[max(found)]))
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return 0, {}
+        status, value = choice[0]
+        if status == "error":
+            raise CheckpointError(value)
+        return self.load(Path(value))
+
+    def load(self, path: Path) -> tuple[int, dict]:
+        meta = json.loads((path / "meta.json").read_text())
+        saved_config = json.loads((path / "model_config.json").read_text())
+        if saved_config != self.model_config:
+            diff = ", ".join(f"{k}: checkpoint {saved_config.get(k)} vs this run {v}"
+                             for k, v in self.model_config.items() if saved_config.get(k) != v)
+            raise CheckpointError(f"checkpoint {path} is of another model ({diff}); point "
+                                  f"[job] output_dir / name elsewhere or change the model back")
+        state = {"model": model_state(self.parts)}
+        if not meta.get("model_only"):
+            state["optimizer"] = optimizer_state(self.parts, self.optimizers)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as err:  # DCP reports a bad file deep in its planner
+            raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
+        for part in self.parts:
+            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        if "optimizer" in state:
+            for part, opt in zip(self.parts, self.optimizers.optimizers):
+                full = get_optimizer_state_dict(part, opt, options=_FLAT)  # this run's hyperparameters
+                full.update({k: v for k, v in state["optimizer"].items() if k in full})
+                set_optimizer_state_dict(part, opt, full, options=_FLAT)
+            self.schedulers.load_state_dict(meta["lr_scheduler"])
+        return meta["step"], meta.get("dataloader", {})
+
+    # ---------------------------------------------------------------- save
+
+    def should_save(self, step: int, last: bool) -> bool:
+        return step % self.interval == 0 or last
+
+    def save(self, step: int, *, data_state: dict, last: bool = False) -> None:
+        """Write step ``step``; returns at once under async save (the previous async save
+        is finished first)."""
+        self.finish_pending()
+        final = step_dir(self.folder, step)
+        tmp = final.with_name(final.name + ".tmp")
+        exists = [final.exists()]
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
+        dist.broadcast_object_list(exists, src=0)
+        if exists[0]:
+            return  # never overwrite a complete checkpoint
+        model_only = last and self.last_save_model_only
+        state = {"model": model_state(self.parts)}
+        if model_only:
+            state["model"] = {k: v.to(self.export_dtype) for k, v in state["model"].items()}
+        else:
+            state["optimizer"] = optimizer_state(self.parts, self.optimizers)
+        meta = {"step": step, "model_only": model_only, "dataloader": data_state,
+                "lr_scheduler": self.schedulers.state_dict()}
+        dist.barrier()  # the stale .tmp is gone on every rank's view before anyone writes
+        if self._pg is not None:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+            self._pending = (future, tmp, final, meta)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._finalize(tmp, final, meta)
+
+    def finish_pending(self) -> None:
+        if self._pending is not None:
+            future, tmp, final, meta = self._pending
+            self._pending = None
+            future.result()
+            self._finalize(tmp, final, meta)
+
+    def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
+        """Rank 0, after DCP wrote its metadata (so every rank's shards are on disk):
+        the side files, then one rename makes the checkpoint visible."""
+        if self.rank != 0:
+            return
+        _write(tmp / "meta.json", json.dumps(meta, indent=1))
+        _write(tmp / "model_config.json", json.dumps(self.model_config, indent=1))
+        _write(tmp / "job_config.toml", self.job_config_text)
+        tmp.rename(final)
+        if self.keep_latest_k:
+            for _, old in complete_checkpoints(self.folder)[:-self.keep_latest_k]:
+                # Renamed first, so a crash mid-delete cannot leave a half-deleted step-N.
+                doomed = old.with_name(old.name + ".deleting")
+                old.rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+
+    def close(self) -> None:
+        self.finish_pending()
+
+
+def _write(path: Path, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())

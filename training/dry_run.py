@@ -1,0 +1,323 @@
+"""Plan a run on a laptop: trace one training step of one rank at the real world size.
+
+    python train.py --config llama70b_2d --dry-run --world-size 64 [--rank 9]
+
+What is real: the config checks, the mesh (on a fake process group of `world_size`
+ranks), the meta model, the TP / FSDP / pipeline wrapping of this rank, and one whole
+step — forward, loss, backward, gradient clipping, AdamW — run under FakeTensorMode, so
+every op and every collective happens with shapes but no data. Memory is what torch's
+FSDP memory tracker counts for the live tensors of that step (parameters, gradients,
+optimizer state, activations, collective buffers), bytes per rank; communication is
+every collective the step dispatches, by mesh dimension.
+
+Under a pipeline, the schedule itself needs its neighbours, which a fake group does not
+have; this rank's stages instead run the forwards its schedule keeps in flight at once
+(1F1B: pp - rank for its stage; GPipe: all) then their backwards, and the boundary
+traffic is computed from the activation shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GiB = 2**30
+
+
+# ---------------------------------------------------------------- communication
+
+_COLLECTIVES = {  # op name -> (kind, which tensor's size is the payload)
+    "_allgather_base_": ("all-gather", "out"), "allgather_into_tensor_coalesced_": ("all-gather", "out"),
+    "all_gather_into_tensor": ("all-gather", "out"), "_reduce_scatter_base_": ("reduce-scatter", "in"),
+    "reduce_scatter_tensor": ("reduce-scatter", "in"), "reduce_scatter_tensor_coalesced_": ("reduce-scatter", "in"),
+    "allreduce_": ("all-reduce", "in"), "all_reduce": ("all-reduce", "in"),
+    "broadcast_": ("broadcast", "in"), "send": ("send/recv", "in"), "recv_": ("send/recv", "in"),
+}
+
+
+@dataclass
+class CommStats:
+    """Collectives by (mesh dimension, kind): count, payload bytes, and the bytes one rank
+    sends with ring algorithms: all-gather / reduce-scatter (n-1)/n of the full tensor,
+    all-reduce twice that."""
+    rows: dict = field(default_factory=dict)
+
+    def add(self, dim: str, kind: str, payload: int, n: int) -> None:
+        factor = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
+                  "all-reduce": 2 * (n - 1) / n}.get(kind, 1.0)
+        count, total, sent = self.rows.get((dim, kind), (0, 0, 0.0))
+        self.rows[(dim, kind)] = (count + 1, total + payload, sent + payload * factor)
+
+
+class CountCollectives(TorchDispatchMode):
+    """Sees every c10d / functional collective as it is dispatched (the fake group makes
+    them no-ops) and files it under the mesh dimension its group belongs to."""
+
+    def __init__(self, group_names: dict[str, tuple[str, int]]):
+        super().__init__()
+        self.group_names, self.stats = group_names, CommStats()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if func.namespace in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
+            kind, which = _COLLECTIVES[name]
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            tensor = tensors[0] if which == "out" or len(tensors) == 1 else tensors[-1]
+            if name in ("allreduce_", "broadcast_"):
+                tensor = tensors[0]
+            dim, n = self._group(args)
+            self.stats.add(dim, kind, tensor.numel() * tensor.element_size(), n)
+        return func(*args, **(kwargs or {}))
+
+    def _group(self, args) -> tuple[str, int]:
+        for a in args:
+            if isinstance(a, str) and a in self.group_names:
+                return self.group_names[a]
+            if type(a).__name__ == "ScriptObject":
+                try:
+                    pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
+                except Exception:
+                    continue
+                return self.group_names.get(pg.group_name, (f"group of {pg.size()}", pg.size()))
+        return "?", 1
+
+
+def mesh_group_names(mesh) -> dict[str, tuple[str, int]]:
+    """Process-group name -> (mesh dimension(s), size), for the groups this rank is in."""
+    names = {}
+    dims = mesh.mesh_dim_names or ()
+    for dim in dims:
+        names[mesh[dim].get_group().group_name] = (dim, mesh[dim].size())
+    for i in range(len(dims)):  # flattened groups (dp, clipping's whole-mesh groups)
+        for j in range(i + 2, len(dims) + 1):
+            sub = mesh[dims[i:j]]
+            try:
+                flat = sub._flatten()
+            except Exception:
+                continue
+            names.setdefault(flat.get_group().group_name, ("x".join(dims[i:j]), flat.size()))
+    return names
+
+
+# ---------------------------------------------------------------- memory
+
+def _peak_only(tracker_cls):
+    """The tracker keeps a snapshot per module at every op (hundreds of modules x every op
+    of a 70B step); only the rank's overall peak is reported here, so skip the rest."""
+    class PeakOnly(tracker_cls):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+    return PeakOnly
+
+
+def memory_tracker(parts, optimizers):
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if len(parts) == 1 and isinstance(parts[0], FSDPModule):
+        return _peak_only(FSDPMemTracker)(parts[0], optimizers.optimizers[0])
+    tracker = _peak_only(MemTracker)()
+    tracker.track_external(*parts, *optimizers.optimizers)
+    return tracker
+
+
+def breakdown(snapshot: dict) -> dict[str, int]:
+    """The tracker's categories, grouped as people ask about them."""
+    get = lambda *keys: sum(v for k, v in snapshot.items() if k in keys)
+    return {
+        "parameters": get("Sharded Param", "Unsharded Param", "Parameter", "Buffer"),
+        "gradients": get("Sharded Grad", "Unsharded Grad", "Gradient"),
+        "optimizer state": get("OptState", "Optstate"),
+        "activations": get("Activation"),
+        "temporaries": get("Temp", "Inputs", "Input"),
+        "collective buffers": get("All Gather", "Reduce Scatter"),
+        "total": snapshot["Total"],
+    }
+
+
+# ---------------------------------------------------------------- the run
+
+def in_flight(schedule: str, n_micro: int, stage: int, n_stages: int) -> int:
+    """Micro-batches whose activations one stage holds at once: GPipe runs every forward
+    before any backward; the 1F1B family starts backwards once the pipe is full, so a
+    stage keeps at most as many as there are stages from it to the end."""
+    return n_micro if schedule in ("GPipe", "LoopedBFS") else min(n_micro, n_stages - stage)
+
+
+def trace_step(cfg, mesh, parts, optimizers, stage_layers, model_cfg) -> None:
+    """One training step of this rank on fake tensors (see the module docstring)."""
+    from parallel import clip_grad_norm_, loss_parallel_context, submesh
+    from train import pp_microbatches
+    from training.step import cross_entropy
+
+    t, p = cfg.training, cfg.parallelism
+    dp = math_prod(submesh(mesh, d).size() for d in ("dp_replicate", "dp_shard") if submesh(mesh, d))
+    local = t.local_batch_size or t.global_batch_size // dp
+    accum = t.global_batch_size // (dp * local)
+    tp_mesh = submesh(mesh, "tp")
+    loss_parallel = tp_mesh is not None and p.loss_parallel
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+
+    if stage_layers is None:
+        for _ in range(accum):
+            tokens = torch.randint(0, model_cfg.vocab_size, (local, t.seq_len))
+            with loss_parallel_context(loss_parallel):
+                (cross_entropy(parts[0](tokens), tokens) / accum).backward()
+    else:
+        n_micro, n_stages = pp_microbatches(cfg), len(stage_layers)
+        mb, seq = local // n_micro, t.seq_len // tp if (tp > 1 and p.sequence_parallel) else t.seq_len
+        for index, part in parts:
+            outputs = []
+            for _ in range(in_flight(p.pp_schedule, n_micro, index, n_stages)):
+                x = (torch.randint(0, model_cfg.vocab_size, (mb, t.seq_len)) if index == 0 else
+                     torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
+                with loss_parallel_context(loss_parallel):
+                    out = part(x)
+                    outputs.append(cross_entropy(out, torch.zeros(mb, t.seq_len, dtype=torch.long))
+                                   if index == n_stages - 1 else out)
+            for k, out in enumerate(outputs):
+                if isinstance(part, FSDPModule):  # as torch's PipelineStage does: sync on the last only
+                    last = k == len(outputs) - 1
+                    part.set_requires_gradient_sync(last)
+                    part.set_reshard_after_backward(last)
+                with loss_parallel_context(loss_parallel):
+                    out.backward(None if out.ndim == 0 else torch.ones_like(out))
+        parts = [part for _, part in parts]
+    pp_mesh = submesh(mesh, "pp")
+    clip_grad_norm_([q for part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
+    optimizers.step()
+
+
+def math_prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8) -> dict:
+    """Build and trace rank ``rank``'s view of ``cfg`` at ``world_size``; print the report
+    and return its numbers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import train
+    from parallel import SCHEDULES, split_into_stages, submesh
+    from parallel.grad_clip import _whole_group
+    from parallel.mesh import LayoutError
+    from training.optim import Optimizers
+
+    if rank >= world_size:
+        raise LayoutError(f"--rank={rank} is outside the world of {world_size} ranks")
+    started = time.perf_counter()
+    cfg.job.device = "cpu"  # fake tensors live on the CPU; the layout checks are the same
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        dims = train.build_parallel_dims(cfg, world_size=world_size)
+        model = train.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
+        stage_layers = train.check_layout(cfg, dims, model)
+        mesh = dims.build_mesh("cpu")
+        pp_mesh = submesh(mesh, "pp")
+        parts = [(0, model)] if pp_mesh is None else split_into_stages(
+            model, pp_mesh, stage_layers, style=SCHEDULES[cfg.parallelism.pp_schedule][1])
+        parts = [(i, train.parallelize_model(part, mesh, cfg)) for i, part in parts]
+        modules = [part for _, part in parts]
+        o = cfg.optimizer
+        optimizers = Optimizers(modules, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                                weight_decay=o.weight_decay)
+        for param in (q for m in modules for q in m.parameters()):
+            if isinstance(param, DTensor):
+                _whole_group(param.device_mesh)  # made now: creating groups under fake tensors fails
+        names = mesh_group_names(mesh)
+        report = {"world_size": world_size, "rank": rank, "mesh": describe_mesh(mesh, rank, gpus_per_node),
+                  "stages": [(i, stage_layers[i] if stage_layers else None) for i, _ in parts],
+                  "parameters": _param_counts(modules, model)}
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for m in modules:
+                m.to_empty(device="cpu")
+            tracker = memory_tracker(modules, optimizers)
+            with tracker, CountCollectives(names) as comm:
+                trace_step(cfg, mesh, parts if stage_layers else modules, optimizers, stage_layers, model.cfg)
+            peak = tracker.get_tracker_snapshot("peak")
+        snap = next(iter(peak.values()))
+        report["memory"] = breakdown(snap)
+        report["comm"] = comm.stats.rows
+        if stage_layers is not None:
+            report["comm"].update(_pipeline_boundary(cfg, dims, parts, len(stage_layers), model.cfg))
+        report["seconds"] = time.perf_counter() - started
+    finally:
+        dist.destroy_process_group()
+    print_report(report, cfg)
+    return report
+
+
+def describe_mesh(mesh, rank: int, gpus_per_node: int) -> list[str]:
+    lines = [f"mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}, {gpus_per_node} GPUs per node"]
+    for dim in mesh.mesh_dim_names:
+        ranks = mesh[dim].mesh.flatten().tolist()
+        nodes = sorted({r // gpus_per_node for r in ranks})
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"{len(nodes)} nodes ({_short(nodes)})"
+        lines.append(f"  {dim:<13} group of rank {rank}: ranks {_short(ranks)} on {where}")
+    return lines
+
+
+def _short(values: list[int]) -> str:
+    return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:4]))}, ..., {values[-1]}]"
+
+
+def _param_counts(modules, model) -> dict[str, int]:
+    local = sum(q.to_local().numel() if isinstance(q, DTensor) else q.numel() for m in modules for q in m.parameters())
+    stage = sum(q.numel() for m in modules for q in m.parameters())
+    return {"model": sum(q.numel() for q in model.parameters()), "stages": stage, "held": local}
+
+
+def _pipeline_boundary(cfg, dims, parts, n_stages: int, model_cfg) -> dict:
+    """Send/recv per step at this rank's stage boundaries: each micro-batch's activation
+    forward and its gradient backward, [micro-batch, seq (/tp with SP), dim] each."""
+    t, p = cfg.training, cfg.parallelism
+    from train import pp_microbatches
+
+    n_micro = pp_microbatches(cfg)
+    local = t.local_batch_size or t.global_batch_size // dims.dp
+    accum = t.global_batch_size // (dims.dp * local)
+    seq = t.seq_len // dims.tp if (dims.tp > 1 and p.sequence_parallel) else t.seq_len
+    elem = 2 if t.mixed_precision_param == "bfloat16" else 4
+    per_mb = (local // n_micro) * seq * model_cfg.dim * elem
+    boundaries = sum((i > 0) + (i < n_stages - 1) for i, _ in parts)  # sends + receives ...
+    count = boundaries * 2 * n_micro * accum                          # ... forward and backward
+    return {("pp", "send/recv"): (count, count * per_mb, count * per_mb / 2)}  # half of them are sends
+
+
+def print_report(report: dict, cfg) -> None:
+    print(f"meshtrain dry run: {cfg.job.name}, rank {report['rank']} of {report['world_size']} "
+          f"(fake process group; traced in {report['seconds']:.1f} s)")
+    for line in report["mesh"]:
+        print(line)
+    for index, layers in report["stages"]:
+        if layers is not None:
+            print(f"  pipeline stage {index}: layers {layers[0]}-{layers[-1]} ({len(layers)})")
+    pc = report["parameters"]
+    print(f"parameters: model {pc['model'] / 1e9:.2f}B, this rank's stage(s) {pc['stages'] / 1e9:.2f}B, "
+          f"held by this rank (its shards) {pc['held'] / 1e6:,.1f}M")
+    unit, size = ("GiB", GiB) if report["memory"]["total"] >= GiB else ("MiB", 2**20)
+    print(f"memory at this rank's peak ({unit}):")
+    for key, value in report["memory"].items():
+        print(f"  {key:<20} {value / size:9.2f}")
+    print("communication per step (this rank):")
+    print(f"  {'dimension':<18} {'collective':<15} {'count':>6} {'payload GiB':>12} {'sent GiB':>10}")
+    for (dim, kind), (count, payload, sent) in sorted(report["comm"].items()):
+        print(f"  {dim:<18} {kind:<15} {count:>6} {payload / GiB:>12.3f} {sent / GiB:>10.3f}")

@@ -1,0 +1,127 @@
+"""Export a training checkpoint to Hugging Face Llama format or one consolidated torch file.
+
+    python -m training.export CHECKPOINT_DIR OUT --format hf|torch [--dtype bfloat16|float32]
+
+A checkpoint is a torch.distributed.checkpoint (DCP) folder written by any layout: model
+weights under the keys ``model.<parameter name>``, plus ``model_config.json`` (the
+LlamaConfig as JSON). DCP reassembles each full tensor from the shards of all ranks, so
+this runs in one process with no process group, reading one tensor at a time: format hf
+holds at most one output shard in memory, format torch (``torch.load`` of a dict of our
+parameter names) the whole model. Other keys (optimizer state, data position) are ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from models.llama.model import LlamaConfig
+from parallel.init import canonical_name
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class _MetadataOnceReader(FileSystemReader):
+    """dcp.load re-reads (unpickles) .metadata on every call; for a checkpoint of a
+    512-rank run that index of every shard is large, and we call load once per tensor."""
+
+    _metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def read_model_config(checkpoint_dir: str | Path) -> LlamaConfig:
+    path = Path(checkpoint_dir) / "model_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the checkpoint does not say which model it holds")
+    fields = json.loads(path.read_text())
+    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+    if unknown := sorted(set(fields) - known):
+        raise ValueError(f"{path}: unknown LlamaConfig fields {', '.join(unknown)}")
+    if fields.get("rope_scaling") is not None:  # a tuple in the dataclass, a list in JSON
+        fields["rope_scaling"] = tuple(fields["rope_scaling"])
+    return LlamaConfig(**fields)
+
+
+def _order(name: str):
+    """Embeddings, layers in numeric order (not "10" before "2"), norm, output."""
+    match = re.match(r"layers\.(\d+)\.", name)
+    if match:
+        return (1, int(match.group(1)), name)
+    return ({"tok_embeddings.weight": 0, "norm.weight": 2, "output.weight": 3}.get(name, 4), 0, name)
+
+
+def model_tensors(checkpoint_dir: str | Path,
+                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our parameter name, full tensor) for each model weight in a DCP folder, one at a time."""
+    reader = _MetadataOnceReader(checkpoint_dir)
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{checkpoint_dir} is not a torch.distributed.checkpoint folder "
+                                "(no .metadata)") from None
+    entries = {key: meta for key, meta in metadata.state_dict_metadata.items()
+               if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    if not entries:
+        raise ValueError(f"{checkpoint_dir} holds no model weights (no 'model.*' tensors)")
+    names = {canonical_name(key.removeprefix("model.")): key for key in entries}
+    for name in sorted(names, key=_order):
+        key = names[name]
+        meta = entries[key]
+        tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # "no process group: loading in one process" is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None) -> None:
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {checkpoint_dir} does not exist")
+    cfg = read_model_config(checkpoint_dir)
+    tensors = model_tensors(checkpoint_dir, dtype)
+    if fmt == "hf":
+        from models.llama.hf import save_hf
+
+        save_hf(tensors, cfg, out)
+    else:
+        state = dict(tensors)
+        if cfg.tie_embeddings and "tok_embeddings.weight" in state:
+            # Tied: one tensor under both names (stored once), as the model's state_dict has it.
+            state.setdefault("output.weight", state["tok_embeddings.weight"])
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint_dir", help="a DCP checkpoint folder (one step's)")
+    parser.add_argument("out", help="format hf: output folder; format torch: output file")
+    parser.add_argument("--format", choices=("hf", "torch"), required=True)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="convert weights (default: as stored)")
+    args = parser.parse_args(argv)
+    try:
+        export(args.checkpoint_dir, args.out, args.format, DTYPES.get(args.dtype))
+    except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: no safetensors
+        print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
