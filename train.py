@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         from training.dry_run import dry_run
 
-        dry_run(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", 1)), args.rank, args.gpus_per_node)
+        report = dry_run(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", 1)), args.rank,
+                         args.gpus_per_node, gpu=args.gpu)
+        if report.get("fits") is False:
+            raise SystemExit(1)
         return
     device_type = resolve_device(cfg)
     tokenizer = build_tokenizer(cfg.training.tokenizer)

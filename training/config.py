@@ -466,7 +466,7 @@ def config_to_toml(cfg: JobConfig) -> str:
 def format_help() -> str:
     """Usage plus every key with its default, accepted values and meaning."""
     lines = ["usage: train.py [--config NAME_OR_PATH] [--print-config] [--debug] [--section.key VALUE ...]",
-             "       train.py --config NAME --dry-run [--world-size N] [--rank R] [--gpus-per-node G]",
+             "       train.py --config NAME --dry-run [--world-size N] [--rank R] [--gpus-per-node G] [--gpu h100-80gb]",
              "                (trace one step of rank R at world size N on a fake process group: mesh,",
              "                 memory breakdown, communication; no GPU needed)", ""]
     for name, cls in SECTIONS.items():
@@ -490,11 +490,12 @@ class CliArgs:
     world_size: int | None = None     # --dry-run: the world to plan for (default: launched)
     rank: int = 0                     # --dry-run: whose view to trace
     gpus_per_node: int = 8            # --dry-run: to say which node each rank lands on
+    gpu: str = ""                     # --dry-run: compare the peak with this GPU's memory
     overrides: list[str] = field(default_factory=list)
 
 
 _FLAGS = ("--config NAME_OR_PATH", "--print-config", "--debug", "--dry-run", "--world-size N", "--rank R",
-          "--gpus-per-node G")
+          "--gpus-per-node G", "--gpu NAME")
 _INT_FLAGS = {"--world-size": ("world_size", 1), "--rank": ("rank", 0), "--gpus-per-node": ("gpus_per_node", 1)}
 
 
@@ -509,13 +510,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, CliArgs]:
         if flag in ("-h", "--help"):
             print(format_help())
             raise SystemExit(0)
-        if flag == "--config" or flag in _INT_FLAGS:
+        if flag in ("--config", "--gpu") or flag in _INT_FLAGS:
             if not eq:
                 if i == len(argv):
                     raise ConfigError(f"{CLI}: {flag} needs a value")
                 value, i = argv[i], i + 1
             if flag == "--config":
                 config = value
+                continue
+            if flag == "--gpu":
+                args.gpu = value
                 continue
             name, least = _INT_FLAGS[flag]
             if not value.isdigit() or int(value) < least:

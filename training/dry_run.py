@@ -49,11 +49,11 @@ class CommStats:
     all-reduce twice that."""
     rows: dict = field(default_factory=dict)
 
-    def add(self, dim: str, kind: str, payload: int, n: int) -> None:
+    def add(self, dim: str, kind: str, payload: int, n: int, times: float = 1) -> None:
         factor = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
                   "all-reduce": 2 * (n - 1) / n}.get(kind, 1.0)
         count, total, sent = self.rows.get((dim, kind), (0, 0, 0.0))
-        self.rows[(dim, kind)] = (count + 1, total + payload, sent + payload * factor)
+        self.rows[(dim, kind)] = (count + times, total + payload * times, sent + payload * factor * times)
 
 
 class CountCollectives(TorchDispatchMode):
@@ -63,6 +63,8 @@ class CountCollectives(TorchDispatchMode):
     def __init__(self, group_names: dict[str, tuple[str, int]]):
         super().__init__()
         self.group_names, self.stats = group_names, CommStats()
+        # (dimension, kind) -> how many times the step repeats what is being traced now
+        self.scale = lambda dim, kind: 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._overloadpacket.__name__
@@ -74,7 +76,7 @@ class CountCollectives(TorchDispatchMode):
             if name in ("allreduce_", "broadcast_"):
                 tensor = tensors[0]
             dim, n = self._group(args)
-            self.stats.add(dim, kind, tensor.numel() * tensor.element_size(), n)
+            self.stats.add(dim, kind, tensor.numel() * tensor.element_size(), n, self.scale(dim, kind))
         return func(*args, **(kwargs or {}))
 
     def _group(self, args) -> tuple[str, int]:
@@ -136,7 +138,8 @@ def breakdown(snapshot: dict) -> dict[str, int]:
     """The tracker's categories, grouped as people ask about them."""
     get = lambda *keys: sum(v for k, v in snapshot.items() if k in keys)
     return {
-        "parameters": get("Sharded Param", "Unsharded Param", "Parameter", "Buffer"),
+        "parameters": get("Sharded Param", "Unsharded Param", "Parameter"),
+        "buffers": get("Buffer"),
         "gradients": get("Sharded Grad", "Unsharded Grad", "Gradient"),
         "optimizer state": get("OptState", "Optstate"),
         "activations": get("Activation"),
@@ -155,8 +158,11 @@ def in_flight(schedule: str, n_micro: int, stage: int, n_stages: int) -> int:
     return n_micro if schedule in ("GPipe", "LoopedBFS") else min(n_micro, n_stages - stage)
 
 
-def trace_step(cfg, mesh, parts, optimizers, stage_layers, model_cfg) -> None:
-    """One training step of this rank on fake tensors (see the module docstring)."""
+def trace_step(cfg, mesh, parts, optimizers, stage_layers, model_cfg, comm, tracker) -> str:
+    """One training step of this rank on fake tensors (see the module docstring). Of the
+    step's gradient-accumulation micro-batches one is traced: each is the same work and
+    frees its activations before the next, so the peak is the same; its collectives are
+    counted once per micro-batch. Returns what was traced, in words."""
     from parallel import clip_grad_norm_, loss_parallel_context, submesh
     from train import pp_microbatches
     from training.step import cross_entropy
@@ -171,33 +177,55 @@ def trace_step(cfg, mesh, parts, optimizers, stage_layers, model_cfg) -> None:
     dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
 
     if stage_layers is None:
-        for _ in range(accum):
-            tokens = torch.randint(0, model_cfg.vocab_size, (local, t.seq_len))
-            with loss_parallel_context(loss_parallel):
-                (cross_entropy(parts[0](tokens), tokens) / accum).backward()
+        comm.scale = lambda dim, kind: accum
+        tokens = torch.randint(0, model_cfg.vocab_size, (local, t.seq_len))
+        with loss_parallel_context(loss_parallel):
+            cross_entropy(parts[0](tokens), tokens).backward()
+        traced = f"1 of {accum} accumulation micro-batch(es) of {local} sequences"
     else:
         n_micro, n_stages = pp_microbatches(cfg), len(stage_layers)
         mb, seq = local // n_micro, t.seq_len // tp if (tp > 1 and p.sequence_parallel) else t.seq_len
+        traced = []
         for index, part in parts:
+            k = in_flight(p.pp_schedule, n_micro, index, n_stages)
+            traced.append(f"stage {index}: {k} of {n_micro} micro-batches in flight")
+            # Per micro-batch: TP's collectives (and FULL_SHARD's re-gathers); per
+            # schedule step (once per accumulation step): FSDP's gathers and reductions.
+            per_micro = n_micro * accum / k
+            comm.scale = lambda dim, kind: per_micro if dim == "tp" else accum
             outputs = []
-            for _ in range(in_flight(p.pp_schedule, n_micro, index, n_stages)):
+            for _ in range(k):
+                tracker.reset_mod_stats()  # per-module stats allow one call; the rank's peak is kept
                 x = (torch.randint(0, model_cfg.vocab_size, (mb, t.seq_len)) if index == 0 else
                      torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
                 with loss_parallel_context(loss_parallel):
                     out = part(x)
                     outputs.append(cross_entropy(out, torch.zeros(mb, t.seq_len, dtype=torch.long))
                                    if index == n_stages - 1 else out)
-            for k, out in enumerate(outputs):
+            for j, out in enumerate(outputs):
                 if isinstance(part, FSDPModule):  # as torch's PipelineStage does: sync on the last only
-                    last = k == len(outputs) - 1
+                    last = j == len(outputs) - 1
                     part.set_requires_gradient_sync(last)
                     part.set_reshard_after_backward(last)
                 with loss_parallel_context(loss_parallel):
                     out.backward(None if out.ndim == 0 else torch.ones_like(out))
         parts = [part for _, part in parts]
+        traced = "; ".join(traced) + (f"; x {accum} accumulation steps" if accum > 1 else "")
+    comm.scale = lambda dim, kind: 1
     pp_mesh = submesh(mesh, "pp")
     clip_grad_norm_([q for part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
     optimizers.step()
+    return traced
+
+
+def init_optimizer_state(parts, optimizers) -> None:
+    """AdamW allocates its state on its first step; a steady-state step has it all along,
+    so it exists before the traced step (one step on zero gradients, not tracked)."""
+    for part in parts:
+        for q in part.parameters():
+            q.grad = torch.zeros_like(q)
+    optimizers.step()
+    optimizers.zero_grad(set_to_none=True)
 
 
 def math_prod(values) -> int:
@@ -207,9 +235,9 @@ def math_prod(values) -> int:
     return out
 
 
-def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8) -> dict:
+def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "") -> dict:
     """Build and trace rank ``rank``'s view of ``cfg`` at ``world_size``; print the report
-    and return its numbers."""
+    and return its numbers. ``gpu`` (e.g. "h100-80gb"): say whether the peak fits."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -219,6 +247,13 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8) -> dict
     from parallel.mesh import LayoutError
     from training.optim import Optimizers
 
+    capacity = None
+    if gpu:
+        from parallel.hardware import get_gpu
+        try:
+            capacity = get_gpu(gpu).hbm_bytes
+        except KeyError as err:
+            raise LayoutError(f"--gpu={gpu}: {err.args[0]}") from None
     if rank >= world_size:
         raise LayoutError(f"--rank={rank} is outside the world of {world_size} ranks")
     started = time.perf_counter()
@@ -226,6 +261,10 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8) -> dict
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # DTensor caches sharding decisions by mesh, and meshes of different ranks compare
+    # equal: another rank's dry run in this process must not answer for this one.
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
     try:
         dims = train.build_parallel_dims(cfg, world_size=world_size)
         model = train.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
@@ -236,9 +275,6 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8) -> dict
             model, pp_mesh, stage_layers, style=SCHEDULES[cfg.parallelism.pp_schedule][1])
         parts = [(i, train.parallelize_model(part, mesh, cfg)) for i, part in parts]
         modules = [part for _, part in parts]
-        o = cfg.optimizer
-        optimizers = Optimizers(modules, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                                weight_decay=o.weight_decay)
         for param in (q for m in modules for q in m.parameters()):
             if isinstance(param, DTensor):
                 _whole_group(param.device_mesh)  # made now: creating groups under fake tensors fails
@@ -248,17 +284,28 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8) -> dict
                   "parameters": _param_counts(modules, model)}
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in modules:
-                m.to_empty(device="cpu")
+                m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
+            o = cfg.optimizer
+            optimizers = Optimizers(modules, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                                    weight_decay=o.weight_decay)
+            init_optimizer_state(modules, optimizers)
             tracker = memory_tracker(modules, optimizers)
-            with tracker, CountCollectives(names) as comm:
-                trace_step(cfg, mesh, parts if stage_layers else modules, optimizers, stage_layers, model.cfg)
-            peak = tracker.get_tracker_snapshot("peak")
-        snap = next(iter(peak.values()))
-        report["memory"] = breakdown(snap)
+            tracker.track_external(*optimizers.optimizers)
+            comm = CountCollectives(names)
+            with tracker, comm:
+                report["traced"] = trace_step(cfg, mesh, parts if stage_layers else modules, optimizers,
+                                              stage_layers, model.cfg, comm, tracker)
+            peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+            after = next(iter(tracker.get_tracker_snapshot("current").values()))
+        report["memory"] = breakdown(peak)
+        report["memory_between_steps"] = breakdown(after)
         report["comm"] = comm.stats.rows
         if stage_layers is not None:
             report["comm"].update(_pipeline_boundary(cfg, dims, parts, len(stage_layers), model.cfg))
         report["seconds"] = time.perf_counter() - started
+        if capacity is not None:
+            report["gpu"], report["capacity"] = gpu, capacity
+            report["fits"] = report["memory"]["total"] <= capacity
     finally:
         dist.destroy_process_group()
     print_report(report, cfg)
@@ -313,11 +360,18 @@ def print_report(report: dict, cfg) -> None:
     pc = report["parameters"]
     print(f"parameters: model {pc['model'] / 1e9:.2f}B, this rank's stage(s) {pc['stages'] / 1e9:.2f}B, "
           f"held by this rank (its shards) {pc['held'] / 1e6:,.1f}M")
+    print(f"traced: {report['traced']}")
     unit, size = ("GiB", GiB) if report["memory"]["total"] >= GiB else ("MiB", 2**20)
-    print(f"memory at this rank's peak ({unit}):")
+    print(f"memory of this rank ({unit}):     at the peak   between steps")
     for key, value in report["memory"].items():
-        print(f"  {key:<20} {value / size:9.2f}")
+        print(f"  {key:<20} {value / size:12.2f} {report['memory_between_steps'][key] / size:14.2f}")
+    if "fits" in report:
+        need, have = report["memory"]["total"] / GiB, report["capacity"] / GiB
+        verdict = (f"fits: peak {need:.1f} GiB of {have:.0f} GiB" if report["fits"] else
+                   f"does NOT fit: peak {need:.1f} GiB, {have:.0f} GiB on a {report['gpu']}, "
+                   f"{need - have:.1f} GiB over")
+        print(f"{verdict} (allocator fragmentation and the CUDA context come on top)")
     print("communication per step (this rank):")
     print(f"  {'dimension':<18} {'collective':<15} {'count':>6} {'payload GiB':>12} {'sent GiB':>10}")
     for (dim, kind), (count, payload, sent) in sorted(report["comm"].items()):
-        print(f"  {dim:<18} {kind:<15} {count:>6} {payload / GiB:>12.3f} {sent / GiB:>10.3f}")
+        print(f"  {dim:<18} {kind:<15} {round(count):>6} {payload / GiB:>12.3f} {sent / GiB:>10.3f}")

@@ -1,0 +1,397 @@
+"""Closed-form estimates for one parallel layout of a Llama: memory per GPU, bytes sent per
+step on each mesh dimension, and step time. docs/planning.md derives every term.
+
+These are estimates to *rank* layouts against each other, not predictions: the formulas
+count what autograd, FSDP2 and the pipeline schedules of this code base keep alive, but
+ignore allocator fragmentation, CUDA/NCCL workspaces and kernel efficiency below that of
+one large matmul. A tracked dry run (`train.py --dry-run`) measures the memory.
+
+Conventions: bytes; "local" = one GPU's slice before FSDP shards it (after TP); s =
+sequence length, b = sequences per micro-batch, h = model width, t = TP degree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from parallel.hardware import GPU
+from parallel.pipeline import SCHEDULES, check_pipeline, stage_ids
+
+BF16, FP32 = 2, 4
+
+
+# ---------------------------------------------------------------- the ZeRO paper's accounting
+
+def zero_model_states(psi: float, n_d: int, stage: str, k: int = 12) -> float:
+    """Model-state bytes per GPU in Rajbhandari et al. 2019 (Fig. 1): fp16 params (2Ψ) and
+    grads (2Ψ), and K·Ψ of optimizer state (fp32 master params, Adam m and v: K = 12).
+    stage: "baseline" (plain DP), "os" (P_os), "os+g" (P_os+g), "os+g+p" (P_os+g+p)."""
+    return {"baseline": (2 + 2 + k) * psi,
+            "os": 2 * psi + 2 * psi + k * psi / n_d,
+            "os+g": 2 * psi + (2 + k) * psi / n_d,
+            "os+g+p": (2 + 2 + k) * psi / n_d}[stage]
+
+
+def fsdp2_model_states(n_params: float, dp_shard: int) -> dict[str, float]:
+    """Ours: FSDP2 keeps fp32 sharded params (the master copy), fp32 sharded grads
+    (reduce dtype fp32) and AdamW's m and v, all sharded: 16 bytes/param / dp_shard.
+    The bf16 copies exist only while a unit is gathered (see `transient_bytes`)."""
+    return {"params": FP32 * n_params / dp_shard, "grads": FP32 * n_params / dp_shard,
+            "optimizer": 2 * FP32 * n_params / dp_shard}
+
+
+# ---------------------------------------------------------------- the model and the layout
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a Llama flavor, counted on a one-layer meta copy of models.llama.Llama."""
+    flavor: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    kv_dim: int              # n_kv_heads * head_dim
+    ffn_hidden: int
+    vocab: int
+    layer_split: int         # per block: 2-D weights, split by TP
+    layer_replicated: int    # per block: norm weights, replicated over TP
+    embedding: int           # tok_embeddings (vocab rows split by TP)
+    head_split: int          # output projection (0 when tied to the embedding)
+    head_replicated: int     # final norm
+    tied: bool
+    tp_divisible: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_flavor(cls, flavor: str, vocab_size: int | None = None) -> "ModelShape":
+        from models.llama import FLAVORS, Llama
+
+        # One block is enough to count a block; the layer count comes from the flavor.
+        overrides = {"vocab_size": vocab_size} if vocab_size else {}
+        m = Llama.from_flavor(flavor, meta=True, n_layers=1, **overrides)
+        c = m.cfg
+        def count(module, ndim):
+            return sum(p.numel() for p in module.parameters() if p.ndim == ndim)
+
+        return cls(flavor=flavor, n_layers=FLAVORS[flavor].n_layers, dim=c.dim, n_heads=c.n_heads,
+                   kv_dim=c.n_kv_heads * c.head_dim, ffn_hidden=c.ffn_hidden, vocab=c.vocab_size,
+                   layer_split=count(m.layers["0"], 2), layer_replicated=count(m.layers["0"], 1),
+                   embedding=m.tok_embeddings.weight.numel(),
+                   head_split=0 if c.tie_embeddings else m.output.weight.numel(),
+                   head_replicated=m.norm.weight.numel(), tied=c.tie_embeddings,
+                   tp_divisible=m.tp_divisible())
+
+    @property
+    def layer_params(self) -> int:
+        return self.layer_split + self.layer_replicated
+
+    @property
+    def n_params(self) -> int:
+        return self.n_layers * self.layer_params + self.embedding + self.head_split + self.head_replicated
+
+
+@dataclass(frozen=True)
+class Job:
+    model: ModelShape
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int
+    seq_len: int
+    global_batch: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    strategy: str               # FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2
+    ac: str                     # none, selective (every 2nd block), full
+    micro_batch: int            # sequences per forward (per pipeline micro-batch under pp)
+    pp_schedule: str = "1F1B"   # only meaningful with pp > 1
+    pp_microbatches: int = 1    # m: micro-batches per step through the pipeline
+    stages_per_rank: int = 1    # v
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def local_batch(self, job: Job) -> int:
+        """Sequences per data-parallel rank per step."""
+        return job.global_batch // self.dp
+
+    def micro_batches(self, job: Job) -> int:
+        """Forwards each GPU runs per step: accumulation steps, or the pipeline's m."""
+        return self.pp_microbatches if self.pp > 1 else self.local_batch(job) // self.micro_batch
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one pipeline rank (all of its dp x tp GPUs alike) holds and runs."""
+    stage_layers: tuple[int, ...]   # layers in each of its stages
+    first: bool                     # holds the embedding
+    last: bool                      # holds the final norm and output
+    inflight: float                 # (layer, micro-batch) activation sets alive at its peak
+    head_inflight: int              # micro-batches whose loss is kept for backward (last stage)
+
+    @property
+    def layers(self) -> int:
+        return sum(self.stage_layers)
+
+
+def rank_shares(job: Job, lay: Layout) -> list[RankShare]:
+    """Per pipeline rank: its layers and how many micro-batches of activations it holds at
+    its peak. Stages come from parallel.pipeline (the same split and placement train.py
+    uses), so an invalid pipeline raises the same LayoutError."""
+    L, pp, m, v = job.model.n_layers, lay.pp, lay.pp_microbatches, lay.stages_per_rank
+    if pp == 1:
+        return [RankShare((L,), True, True, inflight=L, head_inflight=1)]
+    stages = check_pipeline(pp=pp, n_layers=L, schedule=lay.pp_schedule, stages_per_rank=v,
+                            n_microbatches=m, local_batch=lay.local_batch(job))
+    style = SCHEDULES[lay.pp_schedule][1]
+    shares = []
+    for r in range(pp):
+        ids = stage_ids(r, pp, len(stages), style)
+        sizes = tuple(len(stages[s]) for s in ids)
+        if lay.pp_schedule == "GPipe":            # every forward before any backward
+            inflight, head = m * sum(sizes), m
+        elif lay.pp_schedule == "1F1B":           # stage r runs pp - r forwards before its first backward
+            inflight, head = min(m, pp - r) * sum(sizes), 1
+        elif lay.pp_schedule == "Interleaved1F1B":
+            # torch's warm-up for looped schedules: (v-1) rounds of micro-batches, plus 2 per
+            # hop from the last rank; one more forward runs before the first backward.
+            per_round = m // max(1, m // pp)
+            chunks = min((v - 1) * per_round + 2 * (pp - 1 - r) + 1, m * v)
+            inflight, head = chunks * sum(sizes) / v, 1
+        else:
+            raise ValueError(f"no activation-memory model for pp_schedule {lay.pp_schedule!r}")
+        shares.append(RankShare(sizes, 0 in ids, len(stages) - 1 in ids, inflight, head))
+    return shares
+
+
+def checkpointed_blocks(share: RankShare, ac: str) -> int:
+    """Blocks apply_ac wraps on this rank: all (full), every 2nd of each stage counting
+    from its first (selective, selective_every = 2), none."""
+    if ac == "full":
+        return share.layers
+    if ac == "selective":
+        return sum(math.ceil(n / 2) for n in share.stage_layers)
+    return 0
+
+
+# ---------------------------------------------------------------- memory
+
+def layer_activation_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
+    """Bytes autograd saves for one of *our* blocks' backward (bf16 compute; RMSNorm, GQA
+    through SDPA/flash, SwiGLU; sequence parallel when t > 1, as in models/llama/tp_plan.py):
+      full length (SP all-gathers the normed input; the q/k/v and w1/w3 matmuls save the
+      gathered tensor, once per sub-block):                           2 x 2sbh
+      sequence-sharded: attention_norm and ffn_norm inputs            2 x 2sbh/t
+      q after rotary, attention output (= wo input)                   2 x 2sbh/t
+      k, v at kv width (GQA)                                          2 x 2sb·kv/t
+      SwiGLU: w1 out, silu out, w3 out, their product (= w2 input)    4 x 2sb·f/t
+      SDPA's fp32 log-sum-exp per head                                4sb·a/t
+    Flash attention keeps no s x s matrix; rotary saves only its cos/sin tables."""
+    h, f, kv, a = m.dim, m.ffn_hidden, m.kv_dim, m.n_heads
+    return s * b * (BF16 * 2 * h + (BF16 * (4 * h + 2 * kv + 4 * f) + FP32 * a) / t)
+
+
+def block_input_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
+    """What a checkpointed block keeps: its input, sequence-sharded (2sbh/t)."""
+    return BF16 * s * b * m.dim / t
+
+
+def rank_local_params(m: ModelShape, share: RankShare, tp: int) -> float:
+    """Parameters one GPU of this pipeline rank holds after TP, before FSDP shards them."""
+    n = share.layers * (m.layer_split / tp + m.layer_replicated)
+    if share.first:
+        n += m.embedding / tp
+    if share.last:
+        n += m.head_split / tp + m.head_replicated
+    return n
+
+
+def largest_unit(m: ModelShape, share: RankShare, tp: int) -> float:
+    """The biggest FSDP unit on this rank (a block, the embedding, or norm + output)."""
+    units = [m.layer_split / tp + m.layer_replicated]
+    if share.first:
+        units.append(m.embedding / tp)
+    if share.last:
+        units.append(m.head_split / tp + m.head_replicated)
+    return max(units)
+
+
+@dataclass
+class Memory:
+    params: float = 0.0       # fp32 shards
+    grads: float = 0.0        # fp32 shards
+    optimizer: float = 0.0    # AdamW m, v (fp32 shards)
+    activations: float = 0.0  # saved for backward, backward workspace, logits and loss
+    transient: float = 0.0    # gathered bf16 params, unsharded grads, reduce-scatter buffers
+    pp_rank: int = 0          # the pipeline rank these numbers are for
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+
+def transient_bytes(m: ModelShape, share: RankShare, lay: Layout) -> float:
+    """FSDP2's unsharded state at the peak.
+    No pipeline, FULL_SHARD / HYBRID_SHARD: two units gathered in bf16 (the one running and
+      the one prefetched) and, in backward, one unit's bf16 gradient with its fp32 copy for
+      the reduce-scatter: (2 + 2 + 2 + 4) x largest unit.
+    No pipeline, SHARD_GRAD_OP / HYBRID_SHARD_ZERO2: every unit stays gathered from its
+      forward to its backward, so the whole local model in bf16, plus the gradient buffers.
+    Pipeline, any strategy: torch's PipelineStage turns off resharding after backward and
+      gradient sync until the step's last backward, so the whole stage stays gathered (bf16)
+      and its gradients accumulate unsharded in the fp32 reduce dtype until the one
+      reduce-scatter per step: 2 + 4 bytes per local param, plus one unit's bf16 gradient."""
+    local, unit = rank_local_params(m, share, lay.tp), largest_unit(m, share, lay.tp)
+    if lay.pp > 1:
+        return (BF16 + FP32) * local + BF16 * unit
+    if lay.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2"):
+        return BF16 * local + (BF16 + FP32) * unit
+    return (2 * BF16 + BF16 + FP32) * unit
+
+
+def memory_per_gpu(job: Job, lay: Layout) -> Memory:
+    """Peak bytes per GPU on the worst pipeline rank (the one with the largest total)."""
+    m, s, b, t = job.model, job.seq_len, lay.micro_batch, lay.tp
+    full, kept = layer_activation_bytes(m, s, b, t), block_input_bytes(m, s, b, t)
+    worst = None
+    for r, share in enumerate(rank_shares(job, lay)):
+        mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(m, share, t), lay.dp_shard))
+        ckpt = checkpointed_blocks(share, lay.ac) / share.layers
+        # Saved for backward by the micro-batches in flight: a checkpointed block keeps only
+        # its input. Plus the working set of one block's backward: its gradients (and, when
+        # it was checkpointed, its recomputed activations).
+        saved = share.inflight * (ckpt * kept + (1 - ckpt) * full)
+        working = (2 if lay.ac != "none" else 1) * full
+        if share.last:
+            # The final norm's input and gathered output per micro-batch in flight. The loss
+            # (loss_parallel, fp32, on the local vocab shard) keeps its fp32 log-softmax for
+            # backward; its peak is in backward: that log-softmax, the incoming gradient and
+            # the one produced, 3 x 4 bytes per logit (forward peaks lower, at 2 + 4 + 4).
+            logits = s * b * m.vocab / t
+            saved += share.head_inflight * BF16 * s * b * m.dim * (1 + 1 / t)
+            saved += (share.head_inflight - 1) * FP32 * logits   # other micro-batches' (GPipe)
+            working = max(working, 3 * FP32 * logits)
+        mem.activations = saved + working
+        mem.transient = transient_bytes(m, share, lay)
+        if worst is None or mem.total > worst.total:
+            worst = mem
+    return worst
+
+
+# ---------------------------------------------------------------- communication and time
+
+def fsdp_rounds(lay: Layout, job: Job) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of each FSDP unit per step.
+    No pipeline: every micro-batch gathers in forward (and again in backward with
+    FULL_SHARD) and reduce-scatters its gradients (train_step keeps gradient sync on).
+    Pipeline: SHARD_GRAD_OP gathers once per step; FULL_SHARD re-gathers after every
+    forward, m + 1 times (the 3 + 2n measured in docs/pipeline.md for 2 resharding units
+    and 1 that is not); one reduce-scatter per step either way."""
+    zero2 = lay.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+    n = lay.micro_batches(job)
+    if lay.pp > 1:
+        return (1 if zero2 else n + 1), 1
+    return (n if zero2 else 2 * n), n
+
+
+def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    """A mesh group of ``size`` ranks, ``stride`` apart (tp innermost, see parallel/mesh.py),
+    leaves the node when it covers more ranks than a node has."""
+    return size > 1 and stride * size > gpus_per_node
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: Memory
+    step_time: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    comm_bytes: dict[str, float]   # per GPU per step, sent, by mesh dimension
+    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, optimizer
+    fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
+
+
+def estimate(job: Job, lay: Layout) -> Estimate:
+    from training.metrics import flops_per_token  # the FLOPs train.py reports MFU with
+
+    m, gpu, s, b, t = job.model, job.gpu, job.seq_len, lay.micro_batch, lay.tp
+    g, n_mb = job.gpus_per_node, lay.micro_batches(job)
+    shares = rank_shares(job, lay)
+    act = BF16 * s * b * m.dim               # one micro-batch's hidden states, whole sequence
+    bw_dp = gpu.inter_node_bw if spans_nodes(t, lay.dp_shard, g) else gpu.intra_node_bw
+    bw_rep = gpu.inter_node_bw if spans_nodes(t * lay.dp_shard, lay.dp_replicate, g) else gpu.intra_node_bw
+    bw_pp = gpu.inter_node_bw if spans_nodes(t * lay.dp, lay.pp, g) else gpu.intra_node_bw
+
+    per_mb, tp_bytes, pp_bytes, fsdp = [], [], [], []
+    for share in shares:
+        ckpt = checkpointed_blocks(share, lay.ac)
+        # FLOPs per token (6 per weight, 12·h·s per layer for attention), with the forward of
+        # checkpointed blocks run twice: +1/3 of their share.
+        layer_flops = share.layers * 6 * m.layer_params + 12 * share.layers * m.dim * s
+        head_flops = 6 * (m.head_split + m.head_replicated) if share.last else 0
+        hw_flops = (layer_flops * (1 + ckpt / share.layers / 3) + head_flops) * s * b / t
+        compute = hw_flops / gpu.achievable_flops
+        # TP with SP, per block: 2 all-gathers + 2 reduce-scatters of the activation forward,
+        # the same in backward, and again forward for recomputed blocks; embedding and output
+        # add one each way. Each moves (t-1)/t of the activation per GPU.
+        n_coll = 8 * share.layers + 4 * ckpt + 2 * share.first + 2 * share.last
+        tp_b = n_coll * act * (t - 1) / t
+        # PP: each stage boundary sends the sequence-sharded activation forward and its
+        # gradient back.
+        sends = 2 * len(share.stage_layers) - share.first - share.last if lay.pp > 1 else 0
+        pp_b = sends * act / t
+        per_mb.append((compute, tp_b / gpu.intra_node_bw, pp_b / bw_pp))
+        tp_bytes.append(tp_b * n_mb)
+        pp_bytes.append(pp_b * n_mb)
+        local = rank_local_params(m, share, t)
+        fsdp.append((local, largest_unit(m, share, t)))
+
+    # The slowest pipeline rank sets the pace of every micro-batch.
+    worst = max(range(len(shares)), key=lambda r: sum(per_mb[r]))
+    compute, tp_time, pp_time = (x * n_mb for x in per_mb[worst])
+    busy = compute + tp_time + pp_time
+    # Bubble: fill and drain take (pp - 1) micro-batch slots, v times shorter when interleaved.
+    bubble = busy * (lay.pp - 1) / lay.stages_per_rank / n_mb if lay.pp > 1 else 0.0
+
+    # FSDP on the rank with the most parameters. Ring collectives: each GPU sends (n-1)/n of
+    # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
+    local, unit = max(fsdp)
+    ds, dr = lay.dp_shard, lay.dp_replicate
+    n_ag, n_rs = fsdp_rounds(lay, job)
+    ag = BF16 * local * (ds - 1) / ds
+    rs = FP32 * local * (ds - 1) / ds
+    ar = 2 * FP32 * local / ds * (dr - 1) / dr
+    fsdp_time = (n_ag * ag + n_rs * rs) / bw_dp + n_rs * ar / bw_rep
+    # Overlap: FSDP2 prefetches, so its collectives hide behind compute except the first
+    # unit's gather and the last unit's reduction of each round. Under a pipeline the one
+    # reduce-scatter (+ HSDP all-reduce) runs after the last backward: fully exposed.
+    frac = unit / local
+    if lay.pp > 1:
+        gathers = n_ag * ag / bw_dp
+        exposed = max(0.0, gathers - compute) + frac * ag / bw_dp + rs / bw_dp + ar / bw_rep
+    else:
+        exposed = max(0.0, fsdp_time - compute) + n_mb * frac * (ag / bw_dp + rs / bw_dp + ar / bw_rep)
+    # AdamW is memory-bound: read param, grad, m, v; write param, m, v (fp32), + the grad norm.
+    optimizer = 8 * FP32 * local / ds / gpu.hbm_bandwidth
+
+    step = busy + bubble + exposed + optimizer
+    tokens = job.global_batch * s
+    tps = tokens / step / job.world
+    model_flops = flops_per_token(m.n_params, m.embedding, m.n_layers, m.dim, s)
+    return Estimate(
+        layout=lay, memory=memory_per_gpu(job, lay), step_time=step, tokens_per_s_per_gpu=tps,
+        mfu=tps * model_flops / gpu.peak_bf16_flops,
+        comm_bytes={"dp_shard": n_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
+                    "tp": max(tp_bytes), "pp": max(pp_bytes)},
+        times={"compute": compute, "tp": tp_time, "pp": pp_time, "bubble": bubble,
+               "fsdp": exposed, "optimizer": optimizer}, fsdp_comm_time=fsdp_time)

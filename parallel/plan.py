@@ -1,0 +1,293 @@
+"""Rank parallel layouts for a Llama on a cluster, on a laptop, in seconds.
+
+    python -m parallel.plan --model llama3_70b --nodes 8 --gpus-per-node 8 --gpu h100-80gb \\
+           --seq-len 8192 --global-batch 512 [--top 10] [--write best.toml]
+
+Enumerates every layout train.py accepts (tp inside a node x pp x dp_replicate x dp_shard,
+micro-batch size, pipeline schedule and micro-batches, activation checkpointing, FSDP
+strategy), drops those that do not fit in memory, and ranks the rest by estimated
+tokens/s per GPU. The formulas are in parallel/cost.py and docs/planning.md: estimates to
+choose between layouts, not measurements. `train.py --dry-run` measures the memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections import Counter
+
+from parallel.cost import Estimate, Job, Layout, ModelShape, estimate, memory_per_gpu
+from parallel.fsdp import fsdp_mesh
+from parallel.hardware import GIB, GPUS, get_gpu
+from parallel.mesh import LayoutError, ParallelDims, check_tp_fits
+
+# Fraction of HBM left free for what the formulas do not count: the caching allocator's
+# fragmentation, the CUDA context, NCCL and cuBLAS workspaces.
+HEADROOM = 0.10
+AC_MODES = ("none", "selective", "full")
+# (schedule, stages per rank). GPipe is left out: same bubble as 1F1B, more memory.
+PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
+MODEL_ALIASES = {"llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B", "llama3_1b": "1B"}
+LLAMA3_VOCAB = 128_256  # the Llama 3 tokenizer; "debug" keeps its own tiny vocabulary
+
+
+class PlanError(ValueError):
+    """Bad input for the planner; the message is the whole explanation."""
+
+
+def resolve_model(name: str) -> ModelShape:
+    from models.llama import FLAVORS
+
+    by_lower = {k.lower(): k for k in FLAVORS}
+    flavor = MODEL_ALIASES.get(name.lower()) or by_lower.get(name.lower())
+    if flavor is None:
+        accepted = ", ".join([*FLAVORS, *MODEL_ALIASES])
+        raise PlanError(f"unknown model {name!r}; accepted: {accepted}")
+    return ModelShape.from_flavor(flavor, None if flavor == "debug" else LLAMA3_VOCAB)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Degrees:
+    """Just enough of a DeviceMesh (dimension names and sizes, degree-1 ones left out as
+    ParallelDims.build_mesh does) for parallel.fsdp's rules, so the planner refuses exactly
+    the strategy/degree combinations `parallelize` refuses."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = {name: size for name, size in sizes.items() if size > 1}
+        self.mesh_dim_names = tuple(self.sizes)
+
+    def __getitem__(self, names):
+        names = (names,) if isinstance(names, str) else names
+        return _Degrees({n: self.sizes[n] for n in names})
+
+    def size(self) -> int:
+        return math.prod(self.sizes.values())
+
+
+def check_layout(job: Job, lay: Layout) -> None:
+    """The rules train.py applies before starting, from the same functions; LayoutError if
+    broken. (The pipeline rules run inside cost.rank_shares, via check_pipeline.)"""
+    ParallelDims(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, pp=lay.pp,
+                 world_size=job.world)
+    check_tp_fits(lay.tp, job.model.tp_divisible, seq_len=job.seq_len, gpus_per_node=job.gpus_per_node)
+    if job.model.tied and (lay.tp > 1 or lay.pp > 1):  # Llama.tp_plan and pipeline_stage refuse
+        raise LayoutError("tied embeddings allow neither TP nor PP")
+    if job.global_batch % lay.dp:
+        raise LayoutError(f"global batch {job.global_batch} is not divisible by dp = {lay.dp}")
+    mesh = _Degrees({"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp})
+    if fsdp_mesh(mesh, lay.strategy) is None:
+        raise LayoutError("no data-parallel sharding: FSDP, and with it bf16 compute, would not be applied")
+
+
+def candidates(job: Job):
+    """Every layout to try (unchecked): tp divides a node, pp and dp the rest."""
+    for tp in divisors(job.gpus_per_node):
+        for pp in divisors(job.world // tp):
+            dp = job.world // (tp * pp)
+            for dp_replicate in divisors(dp):
+                if dp == dp_replicate:  # no shard group: FSDP would not be applied (NO_SHARD)
+                    continue
+                strategies = (("HYBRID_SHARD", "HYBRID_SHARD_ZERO2") if dp_replicate > 1
+                              else ("FULL_SHARD", "SHARD_GRAD_OP"))
+                local = job.global_batch // dp if job.global_batch % dp == 0 else 1
+                schedules = PP_SCHEDULES if pp > 1 else (("1F1B", 1),)
+                for micro_batch in divisors(local):
+                    for schedule, v in schedules:
+                        for strategy in strategies:
+                            for ac in AC_MODES:
+                                yield Layout(tp=tp, pp=pp, dp_replicate=dp_replicate,
+                                             dp_shard=dp // dp_replicate, strategy=strategy, ac=ac,
+                                             micro_batch=micro_batch, pp_schedule=schedule,
+                                             pp_microbatches=local // micro_batch if pp > 1 else 1,
+                                             stages_per_rank=v)
+
+
+def plan(job: Job) -> tuple[list[Estimate], Estimate | None, Counter]:
+    """(the layouts that fit, fastest first; when none fits, the one needing the least
+    memory; how many candidates each rule rejected)."""
+    budget = (1 - HEADROOM) * job.gpu.hbm_bytes
+    fitting, smallest, rejected = [], None, Counter()
+    for lay in candidates(job):
+        try:
+            check_layout(job, lay)
+            total = memory_per_gpu(job, lay).total
+        except LayoutError as err:
+            rejected[str(err).split(":")[0]] += 1
+            continue
+        if total <= budget:
+            fitting.append(estimate(job, lay))
+        elif smallest is None or total < smallest[0]:
+            smallest = (total, lay)
+    # Ties (common: hidden FSDP traffic costs nothing here) go to less memory, then fewer bytes.
+    fitting.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory.total, sum(e.comm_bytes.values())))
+    return fitting, (estimate(job, smallest[1]) if not fitting and smallest else None), rejected
+
+
+# ---------------------------------------------------------------- output
+
+def describe(lay: Layout) -> str:
+    pipe = f"pp {lay.pp} {lay.pp_schedule} x {lay.pp_microbatches} micro-batches, " if lay.pp > 1 else ""
+    return (f"tp {lay.tp}, {pipe}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}, "
+            f"{lay.strategy}, AC {lay.ac}, micro-batch {lay.micro_batch}")
+
+
+def format_table(estimates: list[Estimate]) -> str:
+    head = ("#", "tp", "pp", "dp_rep", "dp_shard", "strategy", "AC", "mbs", "schedule", "pp_mb",
+            "GiB/GPU", "step s", "tok/s/GPU", "MFU")
+    rows = [head]
+    for i, e in enumerate(estimates, 1):
+        lay = e.layout
+        rows.append((str(i), str(lay.tp), str(lay.pp), str(lay.dp_replicate), str(lay.dp_shard),
+                     lay.strategy, lay.ac, str(lay.micro_batch),
+                     lay.pp_schedule if lay.pp > 1 else "-", str(lay.pp_microbatches) if lay.pp > 1 else "-",
+                     f"{e.memory.total / GIB:.1f}", f"{e.step_time:.2f}",
+                     f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    left = {5, 6, 8}  # text columns
+    return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in
+                               enumerate(zip(r, widths))).rstrip() for r in rows)
+
+
+def format_breakdown(e: Estimate, job: Job) -> str:
+    m = e.memory
+    where = f" (pipeline rank {m.pp_rank}, the fullest)" if e.layout.pp > 1 else ""
+    lines = [f"Best: {describe(e.layout)}", f"  memory per GPU{where}, GiB:"]
+    for name in ("params", "grads", "optimizer", "activations", "transient"):
+        lines.append(f"    {name:<12}{getattr(m, name) / GIB:8.2f}")
+    lines.append(f"    {'total':<12}{m.total / GIB:8.2f}   of {job.gpu.hbm_bytes / GIB:.0f} "
+                 f"({(1 - HEADROOM) * job.gpu.hbm_bytes / GIB:.0f} usable)")
+    lines.append("  sent per GPU per step, GB:  " + "  ".join(
+        f"{dim} {b / 1e9:.1f}" for dim, b in e.comm_bytes.items()))
+    lines.append("  step time, s:  " + "  ".join(f"{k} {v:.2f}" for k, v in e.times.items())
+                 + f"  = {e.step_time:.2f}")
+    lines.append(f"  FSDP collectives take {e.fsdp_comm_time:.2f} s, {e.fsdp_comm_time / e.times['compute']:.0%} "
+                 f"of the compute they are assumed to hide behind")
+    return "\n".join(lines)
+
+
+def to_toml(e: Estimate, job: Job, name: str, command: str) -> str:
+    """The layout as a config for train.py (same shape as configs/llama70b_2d.toml)."""
+    lay, m = e.layout, job.model
+    local = lay.local_batch(job) if lay.pp > 1 else lay.micro_batch
+    pipe = [f'pp_schedule = "{lay.pp_schedule}"', f"pp_microbatches = {lay.pp_microbatches if lay.pp > 1 else 0}"]
+    if lay.pp > 1 and lay.stages_per_rank > 1:
+        pipe.append(f"pp_stages_per_rank = {lay.stages_per_rank}")
+    if lay.pp == 1:
+        pipe = [p + "    # unused without a pipeline" for p in pipe]
+    return "\n".join([
+        f"# Planned by: {command}",
+        f"# Estimate (formulas, not a measurement; see docs/planning.md): "
+        f"{e.memory.total / GIB:.1f} GiB per GPU of {job.gpu.hbm_bytes / GIB:.0f},",
+        f"# {e.step_time:.2f} s per step, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%} "
+        f"on {job.nodes} x {job.gpus_per_node} {job.gpu.name}.",
+        f"# Measure the memory: python train.py --config {name}.toml --dry-run --world-size {job.world}",
+        f"# Launch on each of {job.nodes} node(s):",
+        f"#   torchrun --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} --rdzv-backend=c10d \\",
+        f"#            --rdzv-endpoint=HOST:29500 train.py --config {name}.toml",
+        "",
+        "[job]", f'name = "{name}"', 'output_dir = "outputs"',
+        f'description = "Llama {m.flavor}: {describe(lay)}"', 'device = "cuda"', "",
+        "[model]", f'flavor = "{m.flavor}"', f"vocab_size = {m.vocab}", "",
+        "[training]", f"global_batch_size = {job.global_batch}",
+        f"local_batch_size = {local}" + ("" if lay.pp > 1 else
+                                          f"      # {lay.micro_batches(job)} accumulation step(s)"),
+        f"seq_len = {job.seq_len}", 'mixed_precision_param = "bfloat16"',
+        'mixed_precision_reduce = "float32"', "",
+        "[parallelism]", f"dp_replicate = {lay.dp_replicate}", f"dp_shard = {lay.dp_shard}",
+        f"tp = {lay.tp}", f"pp = {lay.pp}", *pipe, f'sharding_strategy = "{lay.strategy}"',
+        "sequence_parallel = true", "loss_parallel = true", "",
+        "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", ""])
+
+
+# ---------------------------------------------------------------- command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors in the project's format, exit 2
+        raise PlanError(message)
+
+
+def parse_args(argv):
+    p = _Parser(prog="python -m parallel.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="8B, 70B, 405B, debug, or llama3_70b etc.")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--efficiency", type=float,
+                   help="fraction of the bf16 peak compute reaches (default: the GPU's measured "
+                        "large-matmul fraction, an upper bound for a whole step)")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--write", metavar="PATH.toml", help="write the best layout as a train.py config")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    for flag in ("nodes", "gpus_per_node", "seq_len", "global_batch", "top"):
+        if getattr(args, flag) < 1:
+            raise PlanError(f"--{flag.replace('_', '-')} must be at least 1")
+    world = args.nodes * args.gpus_per_node
+    if world < 2:
+        raise PlanError("one GPU has nothing to plan: FSDP needs at least 2 (use --nodes/--gpus-per-node)")
+    if math.gcd(args.global_batch, world) < 2:
+        raise PlanError(f"--global-batch {args.global_batch} is not divisible by any data-parallel "
+                        f"degree of {world} GPUs (it shares no factor with {world})")
+    try:
+        gpu = get_gpu(args.gpu)
+    except KeyError as err:
+        raise PlanError(err.args[0]) from None
+    if args.efficiency is not None:
+        if not 0 < args.efficiency <= 1:
+            raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1]")
+        gpu = dataclasses.replace(gpu, matmul_efficiency=args.efficiency)
+    job = Job(resolve_model(args.model), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch)
+
+    fitting, smallest, rejected = plan(job)
+    n = job.model.n_params
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    print(f"Llama {job.model.flavor} ({size} params) on {job.nodes} x "
+          f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
+          f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+          f"assumed {gpu.matmul_efficiency:.0%} of it. Estimates, not measurements.")
+    if not fitting and smallest is None:
+        reasons = "; ".join(f"{why} ({n} layouts)" for why, n in rejected.most_common(3))
+        raise PlanError(f"no valid layout for {job.world} GPUs: {reasons}")
+    if not fitting:
+        print(f"No layout fits: the best layout needs {smallest.memory.total / GIB:.1f} GiB of "
+              f"{gpu.hbm_bytes / GIB:.0f} GiB per GPU ({(1 - HEADROOM) * gpu.hbm_bytes / GIB:.1f} usable "
+              f"with {HEADROOM:.0%} headroom): {describe(smallest.layout)}.")
+        print(format_breakdown(smallest, job).replace("Best:", "Smallest:", 1))
+        return 1
+    print(f"{len(fitting)} layouts fit in {(1 - HEADROOM) * gpu.hbm_bytes / GIB:.0f} GiB "
+          f"({HEADROOM:.0%} headroom); the top {min(args.top, len(fitting))} by tokens/s/GPU:\n")
+    print(format_table(fitting[:args.top]))
+    print()
+    print(format_breakdown(fitting[0], job))
+    if args.write:
+        from pathlib import Path
+
+        path = Path(args.write)
+        command = "python -m parallel.plan " + " ".join(a for a in argv if not a.startswith("--write")
+                                                        and a != args.write)
+        path.write_text(to_toml(fitting[0], job, path.stem, command))
+        print(f"\nwrote {path}")
+    return 0
+
+
+def run(argv: list[str] | None = None) -> int:
+    try:
+        return main(argv)
+    except PlanError as err:
+        print(f"meshtrain: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(run())

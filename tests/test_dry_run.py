@@ -1,0 +1,81 @@
+"""train.py --dry-run: one rank's real step traced on fake tensors at the real world size.
+Checked against closed forms: FSDP model state = 16 bytes per held parameter (fp32 param,
+fp32 grad, Adam m and v); FSDP traffic = one reduce-scatter of fp32 gradients and two
+all-gathers (forward, backward) per micro-batch; TP with sequence parallel = 2 all-gathers
+and 2 reduce-scatters per block forward, as many backward."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from training.config import load_config
+from training.dry_run import GiB, dry_run
+
+
+def model_states(report) -> int:
+    between = report["memory_between_steps"]
+    return between["parameters"] + between["gradients"] + between["optimizer state"]
+
+
+@pytest.mark.parametrize("world_size", [8, 32, 128])
+def test_fsdp_model_state_is_16_bytes_per_held_parameter(world_size):
+    cfg = load_config("llama3_8b", ["--model.flavor=1B", "--training.seq_len=256", "--training.local_batch_size=1",
+                                    f"--training.global_batch_size={world_size}",
+                                    "--parallelism.sharding_strategy=FULL_SHARD"])
+    report = dry_run(cfg, world_size)
+    held = report["parameters"]["held"]
+    assert abs(held - report["parameters"]["model"] / world_size) <= 0.01 * held  # evenly sharded
+    assert model_states(report) == pytest.approx(16 * held, rel=0.02)
+
+
+def test_llama70b_2d_at_64_ranks_fits_an_h100_and_its_traffic_is_the_closed_form(capsys):
+    report = dry_run(load_config("llama70b_2d"), 64, rank=9, gpu="h100-80gb")
+    held, accum, dp = report["parameters"]["held"], 4, 8
+    assert model_states(report) == pytest.approx(16 * held, rel=0.02)
+    assert report["fits"] and 0.3 < report["memory"]["total"] / (80 * GiB) < 0.9
+    assert report["memory"]["activations"] > 4 * GiB  # 2 x 8192 tokens through 80 blocks, full AC
+    comm = report["comm"]
+    _, rs_bytes, _ = comm[("dp_shard", "reduce-scatter")]
+    _, ag_bytes, _ = comm[("dp_shard", "all-gather")]
+    assert rs_bytes == pytest.approx(accum * 4 * dp * held, rel=0.01)  # fp32 gradients
+    assert 0.95 * accum * 2 * 2 * dp * held <= ag_bytes <= accum * 2 * 2 * dp * held * 1.01  # bf16, twice
+    out = capsys.readouterr().out
+    assert "tp            group of rank 9: ranks [8, 9, 10, 11, 12, 13, 14, 15] on node 1" in out
+    assert "fits: peak" in out
+
+
+def test_llama70b_2d_at_512_ranks():
+    cfg = load_config("llama70b_2d", ["--training.global_batch_size=512"])
+    report = dry_run(cfg, 512, rank=511)
+    assert report["parameters"]["held"] == pytest.approx(70.55e9 / 512, rel=0.01)
+    assert model_states(report) == pytest.approx(16 * report["parameters"]["held"], rel=0.02)
+
+
+def test_llama405b_3d_at_512_ranks_traces_both_stages_of_a_rank():
+    report = dry_run(load_config("llama405b_3d"), 512, rank=100)
+    assert [i for i, _ in report["stages"]] == [1, 9]  # pp rank 1: looped placement
+    assert report["parameters"]["held"] == pytest.approx(report["parameters"]["stages"] / 64, rel=0.01)
+    assert report["memory"]["total"] < 80 * GiB
+    count, _, _ = report["comm"][("pp", "send/recv")]
+    assert count == 2 * 2 * 2 * 32  # 2 middle stages x (send + recv) x (fwd + bwd) x 32 micro-batches
+
+
+def test_tp_collectives_per_block_match_sequence_parallel(capsys):
+    cfg = load_config("debug_2d")  # 4 blocks, dp 2 x tp 2, no activation checkpointing
+    report = dry_run(cfg, 4)
+    n_layers = 4
+    for kind in ("all-gather", "reduce-scatter"):
+        count, payload, _ = report["comm"][("tp", kind)]
+        # + 2: the embedding's output and the output layer's input change layout too
+        assert count == 4 * n_layers + 2
+
+
+def test_a_config_that_cannot_fit_says_by_how_much_and_exits_1():
+    proc = subprocess.run([sys.executable, "train.py", "--config", "llama3_8b", "--dry-run", "--world-size", "1",
+                           "--gpu", "h100-80gb", "--training.seq_len=512", "--training.global_batch_size=1",
+                           "--training.local_batch_size=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "does NOT fit" in proc.stdout and "GiB over" in proc.stdout

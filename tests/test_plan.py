@@ -1,0 +1,234 @@
+"""The layout planner: closed forms against hand arithmetic and the ZeRO paper, the search
+against the rules train.py enforces, the written config against load_config and train.py's
+own pre-flight checks, and the command line's exit codes. One process, no GPU."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+import train
+from models.llama import Llama
+from parallel import ParallelDims, check_tp_fits
+from parallel.cost import (BF16, FP32, Job, Layout, ModelShape, estimate, fsdp2_model_states, fsdp_rounds,
+                           layer_activation_bytes, memory_per_gpu, rank_local_params, rank_shares,
+                           zero_model_states)
+from parallel.fsdp import fsdp_mesh
+from parallel.hardware import GIB, get_gpu
+from parallel.pipeline import check_pipeline
+from parallel.plan import HEADROOM, _Degrees, plan, resolve_model, run, to_toml
+from tests.conftest import ROOT
+from training.config import load_config
+from training.metrics import flops_per_token
+
+H100 = get_gpu("h100-80gb")
+
+
+@pytest.fixture(scope="module")
+def job70():
+    return Job(resolve_model("llama3_70b"), H100, nodes=8, gpus_per_node=8, seq_len=8192, global_batch=512)
+
+
+@pytest.fixture(scope="module")
+def plan70(job70):
+    return plan(job70)
+
+
+# ---------------------------------------------------------------- closed forms
+
+def test_zero_paper_worked_example():
+    # Rajbhandari et al. 2019, Fig. 1: Psi = 7.5B, N_d = 64, K = 12.
+    gb = {stage: round(zero_model_states(7.5e9, 64, stage) / 1e9, 1)
+          for stage in ("baseline", "os", "os+g", "os+g+p")}
+    assert gb == {"baseline": 120.0, "os": 31.4, "os+g": 16.6, "os+g+p": 1.9}
+
+
+def test_fsdp2_model_states_are_16_bytes_per_param_over_dp_shard():
+    states = fsdp2_model_states(1e9, 8)
+    assert states == {"params": 4e9 / 8, "grads": 4e9 / 8, "optimizer": 8e9 / 8}
+    assert sum(states.values()) == 16e9 / 8
+
+
+@pytest.mark.parametrize("flavor", ["debug", "8B"])
+def test_parameter_counts_match_the_real_model(flavor):
+    shape = ModelShape.from_flavor(flavor)
+    model = Llama.from_flavor(flavor, meta=True)
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+    assert shape.embedding == model.tok_embeddings.weight.numel()
+
+
+def test_model_states_in_a_layout_are_16_bytes_per_local_param(job70):
+    m = job70.model
+    lay = Layout(tp=8, pp=1, dp_replicate=1, dp_shard=8, strategy="FULL_SHARD", ac="full", micro_batch=1)
+    mem = memory_per_gpu(job70, lay)
+    # tp splits every matrix (and the vocab); the norm weights are replicated over tp.
+    local = (m.n_layers * m.layer_split + m.embedding + m.head_split) / 8 \
+        + m.n_layers * m.layer_replicated + m.head_replicated
+    assert mem.params + mem.grads + mem.optimizer == pytest.approx(16 * local / 8)
+    # Pipelined: each pp rank holds its stage's share; the worst one is reported.
+    lay_pp = Layout(tp=8, pp=2, dp_replicate=1, dp_shard=4, strategy="SHARD_GRAD_OP", ac="full",
+                    micro_batch=1, pp_microbatches=8)
+    shares = rank_shares(job70, lay_pp)
+    assert [s.layers for s in shares] == [40, 40] and shares[0].first and shares[1].last
+    worst = memory_per_gpu(job70, lay_pp)
+    local_pp = rank_local_params(m, shares[worst.pp_rank], 8)
+    assert worst.params + worst.grads + worst.optimizer == pytest.approx(16 * local_pp / 4)
+
+
+def test_activation_bytes_of_our_block_by_hand():
+    m = ModelShape.from_flavor("70B", 128256)
+    h, kv, f, a = 8192, 1024, 28672, 64
+    # 2 gathered full-length inputs + (norm inputs, q, attention out, k, v, 4 SwiGLU tensors
+    # in bf16, and the fp32 log-sum-exp) sharded over tp.
+    per_token = 2 * 2 * h + (2 * (4 * h + 2 * kv + 4 * f) + 4 * a) / 8
+    assert per_token == 70176
+    assert layer_activation_bytes(m, 8192, 1, 8) == 8192 * per_token
+
+
+def test_activation_checkpointing_and_schedules_order_memory(job70):
+    base = dict(tp=8, pp=4, dp_replicate=1, dp_shard=2, strategy="SHARD_GRAD_OP", micro_batch=1,
+                pp_microbatches=16)
+    act = {ac: memory_per_gpu(job70, Layout(ac=ac, **base)).activations for ac in ("none", "selective", "full")}
+    assert act["full"] < act["selective"] < act["none"]
+    # 1F1B: stage 0 holds pp micro-batches in flight, the last stage one; GPipe all of them.
+    one = rank_shares(job70, Layout(ac="none", **base))
+    gpipe = rank_shares(job70, Layout(ac="none", pp_schedule="GPipe", **base))
+    assert [s.inflight / s.layers for s in one] == [4, 3, 2, 1]
+    assert all(s.inflight / s.layers == 16 for s in gpipe)
+
+
+def test_compute_time_is_the_model_flops_at_the_assumed_efficiency(job70):
+    lay = Layout(tp=8, pp=1, dp_replicate=1, dp_shard=8, strategy="FULL_SHARD", ac="none", micro_batch=2)
+    m = job70.model
+    flops = flops_per_token(m.n_params, m.embedding, m.n_layers, m.dim, job70.seq_len)
+    tokens = job70.global_batch * job70.seq_len
+    expected = flops * tokens / job70.world / H100.achievable_flops
+    assert estimate(job70, lay).times["compute"] == pytest.approx(expected)
+    # Full recomputation runs every block's forward again: +1/3 of the block FLOPs.
+    full = estimate(job70, Layout(**{**lay.__dict__, "ac": "full"})).times["compute"]
+    assert expected < full < expected * 4 / 3
+
+
+def test_fsdp_bytes_full_shard_is_two_gathers_and_one_reduce_scatter(job70):
+    # One micro-batch per step, so one round: FULL_SHARD gathers in forward and again in
+    # backward, SHARD_GRAD_OP only in forward; both reduce-scatter once. Gathers move bf16,
+    # reductions fp32: each GPU sends its shard to the n - 1 others (ring).
+    n = 8
+    base = dict(tp=8, pp=1, dp_replicate=1, dp_shard=n, ac="full", micro_batch=64)
+    shard = rank_local_params(job70.model, rank_shares(job70, Layout(strategy="FULL_SHARD", **base))[0], 8) / n
+    full = estimate(job70, Layout(strategy="FULL_SHARD", **base)).comm_bytes["dp_shard"]
+    zero2 = estimate(job70, Layout(strategy="SHARD_GRAD_OP", **base)).comm_bytes["dp_shard"]
+    assert full == pytest.approx(2 * BF16 * shard * (n - 1) + FP32 * shard * (n - 1))
+    assert zero2 == pytest.approx(BF16 * shard * (n - 1) + FP32 * shard * (n - 1))
+    # In one dtype that is exactly 3x and 2x the shard bytes times (n - 1).
+    assert (2 * BF16 + BF16) / BF16 == 3 and (BF16 + BF16) / BF16 == 2
+
+
+def test_fsdp_rounds_match_the_collectives_counted_under_a_pipeline(job70):
+    # docs/pipeline.md counts 3 FSDP units per stage, one of which (the last) is not
+    # resharded after forward: FULL_SHARD makes 3 + 2n all-gathers, SHARD_GRAD_OP 3.
+    for n in (2, 4, 8):
+        lay = Layout(tp=8, pp=2, dp_replicate=1, dp_shard=4, strategy="FULL_SHARD", ac="full",
+                     micro_batch=1, pp_microbatches=n)
+        gathers, reductions = fsdp_rounds(lay, job70)
+        assert 2 * gathers + 1 == 3 + 2 * n and reductions == 1
+        assert fsdp_rounds(Layout(**{**lay.__dict__, "strategy": "SHARD_GRAD_OP"}), job70) == (1, 1)
+
+
+# ---------------------------------------------------------------- the search
+
+def test_70b_on_64_h100_finds_fitting_layouts_that_train_py_accepts(job70, plan70):
+    fitting, smallest, _ = plan70
+    assert fitting and smallest is None
+    budget = (1 - HEADROOM) * H100.hbm_bytes
+    for e in fitting:
+        lay = e.layout
+        assert e.memory.total <= budget
+        assert lay.tp * lay.pp * lay.dp_replicate * lay.dp_shard == 64
+        assert ParallelDims(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, pp=lay.pp,
+                            world_size=64).dp == lay.dp
+        check_tp_fits(lay.tp, job70.model.tp_divisible, seq_len=8192, gpus_per_node=8)
+        mesh = _Degrees({"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp})
+        assert fsdp_mesh(mesh, lay.strategy) is not None
+        if lay.pp > 1:
+            check_pipeline(pp=lay.pp, n_layers=80, schedule=lay.pp_schedule, stages_per_rank=lay.stages_per_rank,
+                           n_microbatches=lay.pp_microbatches, local_batch=512 // lay.dp)
+        else:
+            assert (512 // lay.dp) % lay.micro_batch == 0
+    # TP 8 (configs/llama70b_2d.toml's choice) fits; it does not win here because its
+    # collectives (8-12 per layer, not overlapped) cost more than the FSDP traffic of a
+    # smaller TP, which hides behind compute at 4M tokens per step (docs/planning.md).
+    best, best_tp8 = fitting[0], next(e for e in fitting if e.layout.tp == 8)
+    assert best.tokens_per_s_per_gpu >= best_tp8.tokens_per_s_per_gpu > 0.75 * best.tokens_per_s_per_gpu
+    assert best_tp8.times["tp"] > best.times["tp"]
+
+
+def test_the_written_config_loads_and_passes_train_py_checks(job70, plan70, tmp_path):
+    fitting = plan70[0]
+    best = fitting[0]
+    piped = next(e for e in fitting if e.layout.pp > 1 and e.layout.stages_per_rank > 1)
+    for e in (best, piped):
+        path = tmp_path / f"plan_{e.layout.pp}.toml"
+        path.write_text(to_toml(e, job70, path.stem, "python -m parallel.plan ..."))
+        cfg = load_config(path)
+        p = cfg.parallelism
+        assert p.tp * p.pp * p.dp_replicate * p.dp_shard == 64
+        assert (p.tp, p.pp, p.dp_shard, p.sharding_strategy) == (e.layout.tp, e.layout.pp, e.layout.dp_shard,
+                                                                e.layout.strategy)
+        assert cfg.activation_checkpoint.mode == e.layout.ac and cfg.model.vocab_size == 128256
+        # The same pre-flight checks train.py runs before any process group (on CPU here).
+        cfg = load_config(path, ["--job.device=cpu"])
+        dims = train.build_parallel_dims(cfg, world_size=64)
+        train.check_layout(cfg, dims, train.build_model(cfg, tokenizer_vocab=258))
+
+
+def test_405b_on_one_node_does_not_fit_and_says_by_how_much(capsys):
+    job = Job(resolve_model("405B"), H100, nodes=1, gpus_per_node=8, seq_len=8192, global_batch=64)
+    fitting, smallest, _ = plan(job)
+    assert not fitting
+    assert smallest.memory.total > 16 * 405e9 / 8  # at best the model states alone, over 8 GPUs
+    code = run(["--model", "llama3_405b", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100-80gb",
+                "--seq-len", "8192", "--global-batch", "64"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert f"needs {smallest.memory.total / GIB:.1f} GiB of 80 GiB" in out
+
+
+# ---------------------------------------------------------------- the command line
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "parallel.plan", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_a_table_and_writes_a_loadable_config(tmp_path):
+    out = tmp_path / "best.toml"
+    proc = _cli("--model", "8B", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100",
+                "--seq-len", "8192", "--global-batch", "16", "--top", "3", "--write", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "tok/s/GPU" in proc.stdout and "memory per GPU" in proc.stdout
+    cfg = load_config(out)
+    p = cfg.parallelism
+    assert math.prod((p.tp, p.pp, p.dp_replicate, p.dp_shard)) == 8 and cfg.model.flavor == "8B"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "13B"], "unknown model '13B'"),
+    (["--gpu", "v100"], "unknown GPU 'v100'"),
+    (["--global-batch", "7"], "--global-batch 7 is not divisible"),
+    (["--gpus-per-node", "1"], "FSDP needs at least 2"),
+])
+def test_cli_errors_exit_2_without_a_traceback(args, message, capsys):
+    base = {"--model": "8B", "--nodes": "1", "--gpus-per-node": "8", "--gpu": "h100",
+            "--seq-len": "8192", "--global-batch": "16"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    assert run([x for kv in base.items() for x in kv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtrain: error: ") and message in err
+
+
+def test_cli_error_from_a_subprocess():
+    proc = _cli("--model", "8B", "--nodes", "0", "--seq-len", "8192", "--global-batch", "16")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("meshtrain: error: ") and "Traceback" not in proc.stderr
