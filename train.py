@@ -12,6 +12,7 @@ before the process group starts, so a bad config costs a second, not a cluster a
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -28,6 +29,8 @@ from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default
 from training.checkpoint import CheckpointError, CheckpointManager
 from training.config import ConfigError, JobConfig, config_to_toml, parse_args
 from training.data import build_dataloader, build_tokenizer
+from training.faults import (CollectiveFailure, GracefulStop, NonFiniteError, describe_collective_failure,
+                             is_collective_failure, set_collective_timeout, step_phase)
 from training.metrics import MetricsLogger, device_peak_flops, flops_per_token, memory_stats
 from training.optim import Optimizers, Schedulers
 from training.step import pipeline_loss_fn, pipeline_train_step, train_step
@@ -59,14 +62,20 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model: Llama) -> list[list[
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if resolve_device(cfg) == "cuda" else None
     dims.check_model(model.tp_divisible(), seq_len=t.seq_len, sequence_parallel=p.sequence_parallel,
                      gpus_per_node=gpus_per_node)
+    if model.cfg.tie_embeddings and (dims.tp > 1 or dims.pp > 1):
+        raise LayoutError(f'[model] flavor = "{cfg.model.flavor}" ties its embedding and output weights, '
+                          f"which cannot be split by tp = {dims.tp} / pp = {dims.pp} yet; use tp = pp = 1")
     local = t.local_batch_size or t.global_batch_size // dims.dp
-    if t.global_batch_size % (dims.dp * local) or local < 1:
-        raise LayoutError(
-            f"[training] global_batch_size = {t.global_batch_size} must be a multiple of "
-            f"dp * local_batch_size = {dims.dp_replicate}*{dims.dp_shard} * {local} = {dims.dp * local} "
-            f"(dp = dp_replicate*dp_shard)")
+    if local < 1 or t.global_batch_size % (dims.dp * local):  # local is 0 when global < dp
+        per_step = (f"dp * local_batch_size = {dims.dp_replicate}*{dims.dp_shard} * {local} = {dims.dp * local}"
+                    if t.local_batch_size else f"dp = {dims.dp_replicate}*{dims.dp_shard} = {dims.dp}")
+        raise LayoutError(f"[training] global_batch_size = {t.global_batch_size} must be a multiple of "
+                          f"{per_step} (dp = dp_replicate*dp_shard)")
+    if t.dataset == "text" and not (t.dataset_path and os.path.exists(t.dataset_path)):
+        raise ConfigError(f'[training] dataset = "text" needs dataset_path = a file or folder of text; '
+                          f'"{t.dataset_path}" does not exist')
     hf = cfg.checkpoint.initial_load_hf
-    if hf and not (Path(hf) / "config.json").is_file():
+    if hf and not os.path.isfile(Path(hf) / "config.json"):  # False, not OSError, for too long a name
         raise ConfigError(f"[checkpoint] initial_load_hf = \"{hf}\": no Hugging Face config.json there "
                           f"(expected a folder with config.json and *.safetensors)")
     if dims.pp == 1:
@@ -130,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(cfg, tokenizer.vocab_size)
     stage_layers = check_layout(cfg, dims, model)
 
-    mesh = dims.build_mesh(device_type)
+    mesh = dims.build_mesh(device_type, timeout_seconds=cfg.comm.init_timeout_seconds)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     rank = dist.get_rank()
     num_params = sum(p.numel() for p in model.parameters())  # the whole model, still on meta
@@ -161,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
                                        job_config_text=config_to_toml(cfg), interval=c.interval,
                                        keep_latest_k=c.keep_latest_k, async_save=c.async_save,
                                        last_save_model_only=c.last_save_model_only,
-                                       export_dtype=getattr(torch, c.export_dtype))
+                                       export_dtype=getattr(torch, c.export_dtype),
+                                       if_config_differs=c.if_config_differs)
         start_step, data_state = checkpoint.resume(c.load_step)
         if data_state:
             data.load_state_dict(data_state)  # refuses a different dataset / seq_len / batch
@@ -195,33 +205,73 @@ def main(argv: list[str] | None = None) -> None:
         print(f"meshtrain: {mesh} | {num_params / 1e6:,.1f}M parameters | "
               f"{data.grad_accum_steps} micro-batch(es) per step{pipeline}{resumed} | logs in {run_dir}", flush=True)
 
-    for step in range(start_step + 1, cfg.training.steps + 1):
-        start = time.perf_counter()
-        lr = scheduler.get_last_lr()[0]
-        if schedule is None:
-            loss, grad_norm = train_step(model_parts[0], optimizer, data.batch(step - 1),
-                                         max_norm=cfg.training.max_norm, loss_parallel=use_loss_parallel,
-                                         dp_mesh=dp_mesh, device=device)
-        else:
-            loss, grad_norm = pipeline_train_step(schedule, model_parts, optimizer, data.batch(step - 1),
-                                                  first=first, last=last, max_norm=cfg.training.max_norm,
-                                                  loss_parallel=use_loss_parallel, dp_mesh=dp_mesh,
-                                                  pp_mesh=pp_mesh, device=device)
-        scheduler.step()
-        if metrics.should_log(step):
-            # Per device, the convention published throughput numbers use.
-            tps = tokens_per_step / (time.perf_counter() - start) / dist.get_world_size()
-            scalars = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps}
-            if peak:
-                scalars["mfu"] = 100 * tps * flops / peak
-            scalars.update(memory_stats(device))
-            metrics.log(step, scalars)
-        if checkpoint is not None and checkpoint.should_save(step, last=step == cfg.training.steps):
-            checkpoint.save(step, data_state=data.state_dict(), last=step == cfg.training.steps)
+    stop, skipped, t = GracefulStop(), 0, cfg.training
+    try:
+        for step in range(start_step + 1, t.steps + 1):
+            start = time.perf_counter()
+            lr = scheduler.get_last_lr()[0]
+            batch = data.batch(step - 1)
+            if schedule is None:
+                loss, grad_norm = train_step(model_parts[0], optimizer, batch, max_norm=t.max_norm,
+                                             loss_parallel=use_loss_parallel, dp_mesh=dp_mesh, device=device,
+                                             step=step, skip_nonfinite=True)
+            else:
+                loss, grad_norm = pipeline_train_step(schedule, model_parts, optimizer, batch, first=first,
+                                                      last=last, max_norm=t.max_norm,
+                                                      loss_parallel=use_loss_parallel, dp_mesh=dp_mesh,
+                                                      pp_mesh=pp_mesh, device=device, step=step,
+                                                      skip_nonfinite=True)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the weights were left alone
+                skipped += 1
+                if t.nonfinite == "stop" or skipped > t.max_skipped_steps:
+                    stop_on_nonfinite(step, loss, grad_norm, skipped, checkpoint, data, t)
+                if rank == 0:
+                    print(f"meshtrain: warning: step {step}: loss {loss}, grad_norm {grad_norm}; step skipped "
+                          f"({skipped} of at most {t.max_skipped_steps})", file=sys.stderr, flush=True)
+            scheduler.step()
+            if step == start_step + 1:  # start-up is over: from now on a long wait means a dead rank
+                set_collective_timeout(cfg.comm.train_timeout_seconds)
+            if metrics.should_log(step):
+                # Per device, the convention published throughput numbers use.
+                tps = tokens_per_step / (time.perf_counter() - start) / dist.get_world_size()
+                scalars = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps}
+                if peak:
+                    scalars["mfu"] = 100 * tps * flops / peak
+                scalars.update(memory_stats(device))
+                metrics.log(step, scalars)
+            stopping = stop.agreed(device)  # every rank stops after the same step
+            if checkpoint is not None and (stopping or checkpoint.should_save(step, last=step == t.steps)):
+                with step_phase(step, "checkpoint save"):
+                    checkpoint.save(step, data_state=data.state_dict(), last=step == t.steps)
+            if stopping:
+                if rank == 0:
+                    saved = "checkpoint saved; run the same command to resume" if checkpoint else \
+                        "checkpointing is off, so a rerun starts over"
+                    print(f"meshtrain: {stopping} received: stopped after step {step}; {saved}", flush=True)
+                break
+    except RuntimeError as err:
+        if is_collective_failure(err):
+            raise CollectiveFailure(describe_collective_failure(err, cfg.comm.train_timeout_seconds)) from err
+        raise
+    finally:
+        stop.restore()
     if checkpoint is not None:
         checkpoint.close()
     metrics.close()
     dist.destroy_process_group()
+
+
+def stop_on_nonfinite(step, loss, grad_norm, skipped, checkpoint, data, t) -> None:
+    """The weights are still those after step - 1: keep them, then stop."""
+    saved = ""
+    if checkpoint is not None and step > 1:
+        checkpoint.save(step - 1, data_state=data.state_dict())
+        checkpoint.close()
+        saved = f" The last good state is checkpointed as step {step - 1}."
+    why = "[training] nonfinite = \"stop\"" if t.nonfinite == "stop" else \
+        f"{skipped} steps skipped, more than [training] max_skipped_steps = {t.max_skipped_steps}"
+    raise NonFiniteError(f"step {step}: loss {loss}, grad_norm {grad_norm} ({why}).{saved} Lower the learning "
+                         f"rate, check the data, or set nonfinite = \"skip\".")
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -237,6 +287,12 @@ def run(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except (CollectiveFailure, NonFiniteError) as err:
+        # Every rank that sees it says so: the rank that names the failure may not be rank 0.
+        if debug:
+            traceback.print_exc()
+        print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
+        return 3
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ class ParallelDims:
         check_tp_fits(self.tp, divisible, seq_len=seq_len, sequence_parallel=sequence_parallel,
                       gpus_per_node=gpus_per_node)
 
-    def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
+    def build_mesh(self, device_type: str | None = None, timeout_seconds: float | None = None) -> DeviceMesh:
         """Initialize the process group if needed and build the mesh.
 
         Only dimensions of degree > 1 become mesh dimensions: a degree-1 dimension
@@ -96,7 +97,7 @@ class ParallelDims:
         flattened into "dp" (the mesh data loading shards over); get it with submesh(mesh, "dp").
         """
         device_type = device_type or default_device_type()
-        init_distributed(device_type)
+        init_distributed(device_type, timeout_seconds)
         if dist.get_world_size() != self.world_size:
             raise LayoutError(
                 f"ParallelDims was sized for world size {self.world_size}, "
@@ -155,9 +156,10 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(device_type: str | None = None) -> None:
+def init_distributed(device_type: str | None = None, timeout_seconds: float | None = None) -> None:
     """Start the default process group (NCCL on CUDA, gloo on CPU) unless already up.
-    Works without torchrun too: a plain `python script.py` becomes a world of one."""
+    Works without torchrun too: a plain `python script.py` becomes a world of one.
+    ``timeout_seconds``: how long a collective may wait (torch's default otherwise)."""
     device_type = device_type or default_device_type()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -168,7 +170,17 @@ def init_distributed(device_type: str | None = None) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend)
+    kwargs = {} if timeout_seconds is None else {"timeout": timedelta(seconds=timeout_seconds)}
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0":
+        dist.init_process_group(backend, **kwargs)
+        return
+    # A job restarted by torchrun (--max-restarts) can meet the key-value store of the
+    # attempt before, where the dead workers' addresses still stand: gloo then connects
+    # to them and fails. Each attempt gets its own key prefix.
+    store, rank, world_size = next(dist.rendezvous("env://", **kwargs))
+    store = dist.PrefixStore(f"meshtrain_attempt_{restart}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
 
 
 def _launched_world_size() -> int:

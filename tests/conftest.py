@@ -10,13 +10,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: dict | None = None):
+def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: dict | None = None,
+             max_restarts: int = 0):
     """Launch a real torchrun job from the repo root; returns the CompletedProcess."""
     with socket.socket() as s:  # a free port, so tests can run side by side
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}",
            script, *args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

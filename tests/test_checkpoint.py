@@ -158,3 +158,15 @@ def test_a_missing_hugging_face_folder_is_a_config_error(tmp_path):
     assert proc.returncode == 2
     assert "initial_load_hf" in proc.stderr and "config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_of_another_experiment_is_refused_unless_told_to_resume(out, uninterrupted):
+    shutil.copytree(out / "whole" / "checkpoint" / "step-00000006",
+                    out / "differs" / "checkpoint" / "step-00000006")
+    one = ("--parallelism.dp_shard=1", "--parallelism.tp=1")  # a new layout is fine ...
+    proc = _train_cli(*args(out, "differs", *one, "--optimizer.lr=0.5"))  # ... another lr is not
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "was written by a run with another config ([optimizer] lr: 0.001 then, 0.5 now)" in proc.stderr
+    proc = _train_cli(*args(out, "differs", *one, "--optimizer.lr=0.5", "--checkpoint.if_config_differs=resume"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 6" in proc.stdout

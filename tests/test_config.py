@@ -353,3 +353,13 @@ def test_debug_2d_is_the_4_process_cpu_layout():
     assert (p.dp_shard, p.tp, p.pp, cfg.model.flavor) == (2, 2, 1, "debug")
     assert (t.steps, t.global_batch_size, t.seq_len, cfg.optimizer.lr) == (20, 8, 128, 1e-3)
     assert (cfg.lr_scheduler.warmup_steps, cfg.metrics.log_freq, cfg.job.device) == (2, 1, "cpu")
+
+
+def test_an_empty_unknown_section_is_still_a_typo(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[paralelism]\n")
+    assert "unknown section [paralelism]. Did you mean [parallelism]?" in error(load_config, path)
+
+
+def test_infinite_learning_rate_is_out_of_range():
+    assert "accepted: > 0 and < inf" in error(load_config, None, ["--optimizer.lr=inf"])

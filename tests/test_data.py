@@ -208,3 +208,10 @@ def test_hf_tokenizer_eos_choice(tmp_path, monkeypatch):
     assert (tok.eos_id, tok.bos_id, tok.vocab_size) == (2, 1, 1000)
     FakeTokenizer.vocab = {}
     assert HFTokenizer("tokenizer.json").eos_id == 999
+
+
+def test_a_file_that_is_not_a_tokenizer_is_a_value_error_naming_it(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ValueError, match="is not a Hugging Face tokenizer.json"):
+        build_tokenizer(str(path))

@@ -7,7 +7,7 @@ On disk, one folder per saved step:
                                       model_config.json  the architecture (export reads it)
                                       job_config.toml    the run's whole config, for people
 
-What is saved: the model and the optimizer state through torch's layout-agnostic
+What is saved: the model, the optimizer state and torch's RNG state through torch's layout-agnostic
 state-dict API (keys are parameter names, values DTensors), so a checkpoint written by
 dp_shard 4 loads into dp 2 x tp 2 or into pipeline stages: DCP re-slices each tensor for
 the reader. Each rank writes only its own shards. Only tensors go into DCP files (read
@@ -68,6 +68,30 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+# What may change between a run and its resumption without making it another experiment:
+# the layout (checkpoints reshard), the length of the run, logging, checkpointing, timeouts.
+_MAY_CHANGE = {"job": {"name", "output_dir", "description", "device", "debug"}, "training": {"steps", "local_batch_size"},
+               "parallelism": None, "checkpoint": None, "metrics": None, "comm": None,
+               "activation_checkpoint": None, "compile": None}
+
+
+def config_differences(saved_toml: str, current_toml: str) -> list[str]:
+    """Settings that differ between two configs, except those a resume may change."""
+    from training.config import tomllib
+
+    saved, current = tomllib.loads(saved_toml), tomllib.loads(current_toml)
+    found = []
+    for section in sorted(set(saved) | set(current)):
+        allowed = _MAY_CHANGE.get(section, set())
+        if allowed is None:
+            continue
+        a, b = saved.get(section, {}), current.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            if key not in allowed and a.get(key) != b.get(key):
+                found.append(f"[{section}] {key}: {a.get(key)!r} then, {b.get(key)!r} now")
+    return found
+
+
 def model_state(parts: list[nn.Module]) -> dict:
     """Parameter name -> tensor (DTensor under FSDP/TP), over every part on this rank."""
     state = {}
@@ -86,18 +110,35 @@ def optimizer_state(parts: list[nn.Module], optimizers) -> dict:
     return state
 
 
+def rng_state() -> dict[str, torch.Tensor]:
+    """torch's global generators (dropout and other random ops draw from them). Every rank
+    seeds them alike, so one copy is kept (DCP saves a replicated tensor once)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 class CheckpointManager:
     """Saves every ``interval`` steps (and at the last step), resumes from the newest."""
 
     def __init__(self, folder: Path, *, parts: list[nn.Module], optimizers, schedulers, model_config,
                  job_config_text: str, interval: int, keep_latest_k: int = 0, async_save: bool = False,
-                 last_save_model_only: bool = False, export_dtype: torch.dtype = torch.float32):
+                 last_save_model_only: bool = False, export_dtype: torch.dtype = torch.float32,
+                 if_config_differs: str = "refuse"):
         self.folder = Path(folder)
         self.parts, self.optimizers, self.schedulers = parts, optimizers, schedulers
         self.model_config = json.loads(json.dumps(asdict(model_config)))  # tuples -> lists, as in the file
         self.job_config_text = job_config_text
         self.interval, self.keep_latest_k = interval, keep_latest_k
         self.last_save_model_only, self.export_dtype = last_save_model_only, export_dtype
+        self.if_config_differs = if_config_differs
         self.rank = dist.get_rank()
         # Async saves talk over their own gloo group, so the background thread's
         # collectives never interleave with the training step's.
@@ -136,15 +177,28 @@ class CheckpointManager:
                              for k, v in self.model_config.items() if saved_config.get(k) != v)
             raise CheckpointError(f"checkpoint {path} is of another model ({diff}); point "
                                   f"[job] output_dir / name elsewhere or change the model back")
+        saved_job = path / "job_config.toml"
+        if self.if_config_differs != "resume" and saved_job.is_file():
+            diff = config_differences(saved_job.read_text(), self.job_config_text)
+            if diff:
+                raise CheckpointError(
+                    f"{path} was written by a run with another config ({'; '.join(diff[:6])}"
+                    f"{'; ...' if len(diff) > 6 else ''}). Resuming would mix two experiments: set "
+                    f"[checkpoint] if_config_differs = \"resume\" to continue anyway, or point "
+                    f"[job] output_dir / name at a new folder")
         state = {"model": model_state(self.parts)}
         if not meta.get("model_only"):
             state["optimizer"] = optimizer_state(self.parts, self.optimizers)
+        if meta.get("rng"):
+            state["rng"] = rng_state()  # filled in place, then installed
         try:
             dcp.load(state, checkpoint_id=str(path))
         except Exception as err:  # DCP reports a bad file deep in its planner
             raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
         for part in self.parts:
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        if "rng" in state:
+            set_rng_state(state["rng"])
         if "optimizer" in state:
             for part, opt in zip(self.parts, self.optimizers.optimizers):
                 full = get_optimizer_state_dict(part, opt, options=_FLAT)  # this run's hyperparameters
@@ -177,8 +231,9 @@ class CheckpointManager:
             state["model"] = {k: v.to(self.export_dtype) for k, v in state["model"].items()}
         else:
             state["optimizer"] = optimizer_state(self.parts, self.optimizers)
+            state["rng"] = rng_state()
         meta = {"step": step, "model_only": model_only, "dataloader": data_state,
-                "lr_scheduler": self.schedulers.state_dict()}
+                "lr_scheduler": self.schedulers.state_dict(), "rng": "rng" in state}
         dist.barrier()  # the stale .tmp is gone on every rank's view before anyone writes
         if self._pg is not None:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)

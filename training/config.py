@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -67,8 +68,9 @@ class JobSection:
 class ModelSection:
     name: str = opt("llama", "model family", choices=("llama",))
     flavor: str = opt("debug", "size preset (debug is tiny, for tests)", choices=LLAMA_FLAVORS)
-    vocab_size: int = opt(0, "embedding rows; 0: take it from the tokenizer", min=0)
-    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
+    vocab_size: int = opt(0, "embedding rows; 0: take it from the tokenizer", min=0,
+                          max=2**31)  # token ids are int32
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0, lt=math.inf)
 
 
 @dataclass
@@ -76,24 +78,30 @@ class TrainingSection:
     steps: int = opt(20, "optimizer steps to run", min=1)
     global_batch_size: int = opt(8, "sequences per optimizer step, all data-parallel ranks together", min=1)
     local_batch_size: int = opt(0, "sequences per forward on one rank; 0: global/dp (no accumulation)", min=0)
-    seq_len: int = opt(128, "tokens per sequence", min=2)  # one input and one label at least
+    seq_len: int = opt(128, "tokens per sequence", min=2,  # one input and one label at least
+                       max=2**31)  # larger ones overflow torch's sizes
     seed: int = opt(0, "seed for weight init and data order")
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables clipping", min=0)
-    dataset: str = opt("stdlib", "corpus: stdlib (Python's own sources) or text (dataset_path)")
+    dataset: str = opt("stdlib", "corpus: stdlib (Python's own sources) or text (dataset_path)",
+                       choices=("stdlib", "text"))
     dataset_path: str = opt("", "file or folder for the text dataset")
     tokenizer: str = opt("byte", "byte, or the path of a Hugging Face tokenizer.json")
     mixed_precision_param: str = opt("float32", "dtype of parameters in forward/backward", choices=DTYPES)
     mixed_precision_reduce: str = opt("float32", "dtype of the gradient reduction", choices=DTYPES)
+    nonfinite: str = opt("stop", "a step whose loss or gradient norm is inf/NaN: stop (after "
+                         "checkpointing the last good state) or skip it (no update)", choices=("stop", "skip"))
+    max_skipped_steps: int = opt(3, "skip: stop anyway after this many skipped steps", min=0)
 
 
 @dataclass
 class OptimizerSection:
     name: str = opt("AdamW", "optimizer", choices=("AdamW",))
-    lr: float = opt(3e-4, "peak learning rate", gt=0)
+    lr: float = opt(3e-4, "peak learning rate", gt=0, lt=math.inf)
     beta1: float = opt(0.9, "AdamW beta1", min=0, lt=1)
     beta2: float = opt(0.95, "AdamW beta2", min=0, lt=1)
-    eps: float = opt(1e-8, "AdamW epsilon", gt=0)
-    weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only)", min=0)
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0, lt=math.inf)
+    weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only)", min=0,
+                              lt=math.inf)
 
 
 @dataclass
@@ -148,6 +156,9 @@ class CheckpointSection:
     last_save_model_only: bool = opt(False, "the last step saves model weights only (export_dtype)",
                                      aliases=("last_save_model_weights_only",))
     export_dtype: str = opt("float32", "dtype of the model-only last save", choices=DTYPES)
+    if_config_differs: str = opt("refuse", "the newest checkpoint was written with another config "
+                                 "(model, data, optimizer...): refuse, or resume anyway",
+                                 choices=("refuse", "resume"))
     initial_load_hf: str = opt("", "a Hugging Face Llama folder (config.json + *.safetensors) to "
                                "start from when there is no checkpoint to resume")
 
@@ -172,6 +183,16 @@ class CompileSection:
 
 
 @dataclass
+class CommSection:
+    init_timeout_seconds: float = opt(600.0, "collective timeout until the first step is done "
+                                      "(start-up, compilation, shape inference)", gt=0,
+                                      max=365 * 86400)  # a year; inf or ~1e14 overflow timedelta
+    train_timeout_seconds: float = opt(300.0, "collective timeout after the first step: a rank "
+                                       "that dies or stalls fails the others this fast", gt=0,
+                                       max=365 * 86400, aliases=("timeout",))
+
+
+@dataclass
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -183,6 +204,7 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
     compile: CompileSection = field(default_factory=CompileSection)
+    comm: CommSection = field(default_factory=CommSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(JobConfig)}
@@ -345,7 +367,7 @@ def find_config(name: str | Path) -> Path:
     places = [Path(), CONFIGS_DIR, Path.cwd() / "configs"]
     tried = [d / n for d in places for n in (name, f"{name}.toml")]
     for path in tried:
-        if path.is_file():
+        if os.path.isfile(path):  # False, not OSError, for a name too long for the filesystem
             return path
     looked = ", ".join(dict.fromkeys(_display(p) for p in tried))
     raise ConfigError(f"config '{name}' not found (looked for {looked}). "
@@ -358,6 +380,9 @@ def _read_toml(path: Path) -> dict:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{_display(path)}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8; tomllib lets the decode error through
+        raise ConfigError(f"{_display(path)}: not valid TOML: not UTF-8 text "
+                          f"({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise ConfigError(f"{_display(path)}: cannot read the file: {e.strerror}") from None
 
@@ -376,7 +401,7 @@ def _read_chain(path: Path, stack: tuple[Path, ...] = ()) -> list[tuple[str, dic
         raise ConfigError(f"{_display(path)}: extends = {_toml_value(parent)} must be a string: "
                           f"a path relative to this file, or a config name")
     tried = [d / n for d in (path.parent, CONFIGS_DIR) for n in (parent, f"{parent}.toml")]
-    found = next((p for p in tried if p.is_file()), None)
+    found = next((p for p in tried if os.path.isfile(p)), None)
     if found is None:
         raise ConfigError(f"{_display(path)}: extends = {_toml_value(parent)}: no such file "
                           f"(looked for {', '.join(_display(p) for p in tried)})")
@@ -392,6 +417,8 @@ def _settings_from_file(table: dict, source: str):
             raise ConfigError(f"{source}: '{section} = {_toml_value(body)}' is outside any section; "
                               f"settings go under a [section] (the only top-level key is "
                               f"'extends').{hint}")
+        if section not in SECTIONS:  # even an empty [sectoin] is a typo worth naming
+            _field(section, "", source)
         for key, value in body.items():
             yield section, key, value
 
@@ -522,7 +549,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, CliArgs]:
                 args.gpu = value
                 continue
             name, least = _INT_FLAGS[flag]
-            if not value.isdigit() or int(value) < least:
+            if not value.isdecimal() or int(value) < least:  # isdigit() is true for "²"
                 raise ConfigError(f"{CLI}: {flag}={value} must be an integer >= {least}")
             setattr(args, name, int(value))
         elif flag in ("--print-config", "--dry-run", "--debug"):

@@ -57,7 +57,10 @@ class HFTokenizer:
         except ImportError as e:
             raise ImportError(f"tokenizer '{path}' needs the Hugging Face tokenizers package: "
                               "pip install tokenizers (or pip install meshtrain[hf])") from e
-        self.tok = Tokenizer.from_file(path)
+        try:
+            self.tok = Tokenizer.from_file(path)
+        except Exception as err:  # the library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"tokenizer '{path}' is not a Hugging Face tokenizer.json: {err}") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._first_id(self.EOS_CANDIDATES, self.vocab_size - 1)
         self.bos_id = self._first_id(self.BOS_CANDIDATES, None)

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from parallel import clip_grad_norm_, loss_parallel_context
+from training.faults import step_phase
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -25,30 +26,31 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                loss_parallel: bool = False, dp_mesh: DeviceMesh | None = None,
-               device: torch.device | None = None) -> tuple[float, float]:
+               device: torch.device | None = None, step: int = 0,
+               skip_nonfinite: bool = False) -> tuple[float, float]:
     """Returns (loss averaged over the global batch, global gradient norm before clipping).
-    ``loss_parallel``: the logits are vocab-sharded DTensors (TP with loss_parallel)."""
+    ``loss_parallel``: the logits are vocab-sharded DTensors (TP with loss_parallel).
+    ``skip_nonfinite``: when the gradient norm is inf/NaN, leave the weights alone (the
+    norm is the same on every rank, so every rank skips)."""
     device = device or _device_of(model)  # where the parameters (or their local shards) live
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    for inputs, labels in micro_batches:
-        inputs, labels = inputs.to(device), labels.to(device)
-        with loss_parallel_context(loss_parallel):
-            loss = cross_entropy(model(inputs), labels) / len(micro_batches)
-            loss.backward()
-        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    if dp_mesh is not None:
-        # Reporting only: the gradients were already averaged by FSDP.
-        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_mesh.get_group())
-    return total.item(), grad_norm.item()
+    with step_phase(step, "forward/backward"):
+        for inputs, labels in micro_batches:
+            inputs, labels = inputs.to(device), labels.to(device)
+            with loss_parallel_context(loss_parallel):
+                loss = cross_entropy(model(inputs), labels) / len(micro_batches)
+                loss.backward()
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+    return _finish_step(list(model.parameters()), optimizer, total, max_norm, dp_mesh, None, step,
+                        skip_nonfinite)
 
 
 def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, first: bool, last: bool,
                         max_norm: float = 0.0, loss_parallel: bool = False,
                         dp_mesh: DeviceMesh | None = None, pp_mesh: DeviceMesh | None = None,
-                        device: torch.device | None = None) -> tuple[float, float]:
+                        device: torch.device | None = None, step: int = 0,
+                        skip_nonfinite: bool = False) -> tuple[float, float]:
     """`train_step` for a pipeline: the schedule runs this rank's stages (``model_parts``)
     over each micro-batch, cut again into the schedule's own micro-batches. ``first`` /
     ``last``: this rank holds the first / last stage (feeds tokens / computes the loss).
@@ -58,22 +60,35 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
     device = device or _device_of(model_parts[0])
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    for inputs, labels in micro_batches:
-        args = (inputs.to(device),) if first else ()
-        target = labels.to(device) if last else None
-        losses: list[torch.Tensor] = []  # step() empties the list it is given
-        with loss_parallel_context(loss_parallel):
-            schedule.step(*args, target=target, losses=losses if last else None, return_outputs=False)
-        for loss in losses:
-            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+    with step_phase(step, "pipeline forward/backward"):
+        for inputs, labels in micro_batches:
+            args = (inputs.to(device),) if first else ()
+            target = labels.to(device) if last else None
+            losses: list[torch.Tensor] = []  # step() empties the list it is given
+            with loss_parallel_context(loss_parallel):
+                schedule.step(*args, target=target, losses=losses if last else None, return_outputs=False)
+            for loss in losses:
+                total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     params = [p for part in model_parts for p in part.parameters()]
-    grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh)
-    optimizer.step()
-    # Reporting only: the loss exists on the last stage; share it with every rank.
-    if pp_mesh is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
-    if dp_mesh is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_mesh.get_group())
+    return _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite)
+
+
+def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite):
+    """Clip, update (unless skipping a non-finite step), and share the loss for reporting."""
+    with step_phase(step, "gradient clipping"):
+        grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh)
+    if skip_nonfinite and not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        with step_phase(step, "optimizer step"):
+            optimizer.step()
+    with step_phase(step, "loss reporting"):
+        # Reporting only: the gradients were already averaged by FSDP. Under a pipeline the
+        # loss exists on the last stage; the sum over pp shares it with every rank.
+        if pp_mesh is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+        if dp_mesh is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_mesh.get_group())
     return total.item(), grad_norm.item()
 
 

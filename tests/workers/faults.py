@@ -1,0 +1,68 @@
+"""Run train.py with a fault injected at a chosen step, the way it happens on a cluster:
+
+    faults.py kill "R:K:S,..." [train.py args]  on restart R (TORCHELASTIC_RESTART_COUNT),
+                                               rank K SIGKILLs itself before step S
+    faults.py sigterm K S [train.py args]       rank K gets SIGTERM before step S (only it)
+    faults.py stall K S SECONDS [train.py args] rank K sleeps SECONDS before step S
+    faults.py nan S [train.py args]             the loss of step S is NaN on every rank
+
+Everything else — torchrun, the process groups, checkpoints, the restart — is real.
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import train
+import training.step
+
+mode, argv = sys.argv[1], sys.argv[2:]
+rank = int(os.environ.get("RANK", 0))
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+if mode == "kill":
+    plan = [tuple(int(x) for x in item.split(":")) for item in argv[0].split(",")]
+    targets = {step for r, k, step in plan if r == restart and k == rank}
+    argv = argv[1:]
+
+    def before(step):
+        if step in targets:
+            os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "sigterm":
+    who, when, argv = int(argv[0]), int(argv[1]), argv[2:]
+
+    def before(step):
+        if rank == who and step == when:
+            os.kill(os.getpid(), signal.SIGTERM)
+elif mode == "stall":
+    who, when, seconds, argv = int(argv[0]), int(argv[1]), float(argv[2]), argv[3:]
+
+    def before(step):
+        if rank == who and step == when:
+            time.sleep(seconds)
+elif mode == "nan":
+    when, argv = int(argv[0]), argv[1:]
+    real_loss = training.step.cross_entropy
+    poisoned = [False]
+    training.step.cross_entropy = lambda logits, labels: real_loss(logits, labels) * (
+        float("nan") if poisoned[0] else 1.0)
+
+    def before(step):
+        poisoned[0] = step == when
+else:
+    raise SystemExit(f"unknown mode {mode!r}")
+
+real_train_step = train.train_step
+
+
+def train_step(*args, step, **kwargs):
+    before(step)
+    return real_train_step(*args, step=step, **kwargs)
+
+
+train.train_step = train_step
+sys.exit(train.run(argv))

@@ -1,0 +1,90 @@
+"""What a long run meets: pre-emption signals, dead or stalled ranks, non-finite numbers.
+
+- `GracefulStop`: SIGTERM / SIGINT (a scheduler's pre-emption, Ctrl-C) only raise a flag;
+  at the end of each step every rank learns, with one 4-byte all-reduce, whether *any*
+  rank got the signal, so all of them stop after the same step, checkpoint and exit 0 —
+  even when the signal reached only some ranks. A second Ctrl-C interrupts at once.
+- `set_collective_timeout`: the first step may legitimately be slow (compilation, the
+  pipeline's shape inference, a cold file system); after it, a collective that waits
+  longer than `train_timeout_seconds` means a rank died or stalled.
+- `step_phase` / `CollectiveFailure`: which part of which step a rank was in when a
+  collective failed, so the error names it instead of printing a gloo/NCCL stack.
+"""
+
+from __future__ import annotations
+
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost its peers; the message says where in the step."""
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm was inf/NaN and the policy says stop."""
+
+
+class GracefulStop:
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.received: int | None = None
+        self._previous = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: stop now
+        self.received = signum
+
+    def agreed(self, device: torch.device) -> str | None:
+        """On every rank: the name of the signal any rank received (None if none did).
+        Call it on every rank, at the same point of every step."""
+        flag = torch.tensor([float(self.received or 0)], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(flag.item())).name if flag.item() else None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Apply ``seconds`` to every process group this rank is in (the mesh's too)."""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+class step_phase:
+    """Where this rank is, for error messages: ``with step_phase(3, "optimizer step"): ...``."""
+
+    current = "start-up"
+
+    def __init__(self, step: int, what: str):
+        self.label = f"step {step}, {what}"
+
+    def __enter__(self):
+        step_phase.current = self.label
+
+    def __exit__(self, kind, err, tb):
+        return False
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """gloo and NCCL report a peer that died or a wait that timed out as RuntimeError
+    (DistBackendError / DistNetworkError are subclasses) with these words."""
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        word in text for word in ("timed out", "timeout", "connection closed", "connection reset",
+                                  "broken pipe", "peer", "nccl error", "gloo"))
+
+
+def describe_collective_failure(err: BaseException, timeout: float) -> str:
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    return (f"rank {dist.get_rank() if dist.is_initialized() else 0}: a collective failed during "
+            f"{step_phase.current}: another rank died or stalled (train_timeout_seconds = {timeout:g}). "
+            f"The newest complete checkpoint is intact; rerun the same command to resume. ({first})")
