@@ -7,7 +7,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 import train
 from models.llama import Llama
-from parallel import LayoutError, ParallelDims, submesh
+from parallel import LayoutError, submesh
 from parallel.pipeline import SCHEDULES, check_pipeline, split_into_stages, split_layers, stage_ids
 from tests.conftest import ROOT
 from training.config import load_config

@@ -18,7 +18,6 @@ traffic is computed from the activation shape.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
