@@ -18,6 +18,7 @@ traffic is computed from the activation shape.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -167,7 +168,7 @@ def trace_step(cfg, mesh, parts, optimizers, stage_layers, model_cfg, comm, trac
     from training.step import cross_entropy
 
     t, p = cfg.training, cfg.parallelism
-    dp = math_prod(submesh(mesh, d).size() for d in ("dp_replicate", "dp_shard") if submesh(mesh, d))
+    dp = math.prod(submesh(mesh, d).size() for d in ("dp_replicate", "dp_shard") if submesh(mesh, d))
     local = t.local_batch_size or t.global_batch_size // dp
     accum = t.global_batch_size // (dp * local)
     tp_mesh = submesh(mesh, "tp")
@@ -225,13 +226,6 @@ def init_optimizer_state(parts, optimizers) -> None:
             q.grad = torch.zeros_like(q)
     optimizers.step()
     optimizers.zero_grad(set_to_none=True)
-
-
-def math_prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "") -> dict:
