@@ -18,7 +18,6 @@ traffic is computed from the activation shape.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -158,7 +157,16 @@ def in_flight(schedule: str, n_micro: int, stage: int, n_stages: int) -> int:
     return n_micro if schedule in ("GPipe", "LoopedBFS") else min(n_micro, n_stages - stage)
 
 
-def trace_step(cfg, mesh, parts, optimizers, stage_layers, model_cfg, comm, tracker) -> str:
+def step_shape(cfg, dims) -> tuple[int, int, int]:
+    """(sequences per forward on one rank, accumulation steps, sequence length of the
+    activations between blocks: divided by tp under sequence parallel)."""
+    t = cfg.training
+    local = t.local_batch_size or t.global_batch_size // dims.dp
+    seq = t.seq_len // dims.tp if (dims.tp > 1 and cfg.parallelism.sequence_parallel) else t.seq_len
+    return local, t.global_batch_size // (dims.dp * local), seq
+
+
+def trace_step(cfg, dims, mesh, parts, optimizers, stage_layers, model_cfg, comm, tracker) -> str:
     """One training step of this rank on fake tensors (see the module docstring). Of the
     step's gradient-accumulation micro-batches one is traced: each is the same work and
     frees its activations before the next, so the peak is the same; its collectives are
@@ -168,23 +176,19 @@ def trace_step(cfg, mesh, parts, optimizers, stage_layers, model_cfg, comm, trac
     from training.step import cross_entropy
 
     t, p = cfg.training, cfg.parallelism
-    dp = math.prod(submesh(mesh, d).size() for d in ("dp_replicate", "dp_shard") if submesh(mesh, d))
-    local = t.local_batch_size or t.global_batch_size // dp
-    accum = t.global_batch_size // (dp * local)
-    tp_mesh = submesh(mesh, "tp")
-    loss_parallel = tp_mesh is not None and p.loss_parallel
-    tp = tp_mesh.size() if tp_mesh is not None else 1
+    local, accum, seq = step_shape(cfg, dims)
+    loss_parallel = dims.tp > 1 and p.loss_parallel
     dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
 
     if stage_layers is None:
         comm.scale = lambda dim, kind: accum
         tokens = torch.randint(0, model_cfg.vocab_size, (local, t.seq_len))
         with loss_parallel_context(loss_parallel):
-            cross_entropy(parts[0](tokens), tokens).backward()
+            cross_entropy(parts[0][1](tokens), tokens).backward()
         traced = f"1 of {accum} accumulation micro-batch(es) of {local} sequences"
     else:
         n_micro, n_stages = pp_microbatches(cfg), len(stage_layers)
-        mb, seq = local // n_micro, t.seq_len // tp if (tp > 1 and p.sequence_parallel) else t.seq_len
+        mb = local // n_micro
         traced = []
         for index, part in parts:
             k = in_flight(p.pp_schedule, n_micro, index, n_stages)
@@ -209,11 +213,10 @@ def trace_step(cfg, mesh, parts, optimizers, stage_layers, model_cfg, comm, trac
                     part.set_reshard_after_backward(last)
                 with loss_parallel_context(loss_parallel):
                     out.backward(None if out.ndim == 0 else torch.ones_like(out))
-        parts = [part for _, part in parts]
         traced = "; ".join(traced) + (f"; x {accum} accumulation steps" if accum > 1 else "")
     comm.scale = lambda dim, kind: 1
     pp_mesh = submesh(mesh, "pp")
-    clip_grad_norm_([q for part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
+    clip_grad_norm_([q for _, part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
     optimizers.step()
     return traced
 
@@ -286,8 +289,8 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
             tracker.track_external(*optimizers.optimizers)
             comm = CountCollectives(names)
             with tracker, comm:
-                report["traced"] = trace_step(cfg, mesh, parts if stage_layers else modules, optimizers,
-                                              stage_layers, model.cfg, comm, tracker)
+                report["traced"] = trace_step(cfg, dims, mesh, parts, optimizers, stage_layers, model.cfg,
+                                              comm, tracker)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
             after = next(iter(tracker.get_tracker_snapshot("current").values()))
         report["memory"] = breakdown(peak)
@@ -328,13 +331,11 @@ def _param_counts(modules, model) -> dict[str, int]:
 def _pipeline_boundary(cfg, dims, parts, n_stages: int, model_cfg) -> dict:
     """Send/recv per step at this rank's stage boundaries: each micro-batch's activation
     forward and its gradient backward, [micro-batch, seq (/tp with SP), dim] each."""
-    t, p = cfg.training, cfg.parallelism
     from train import pp_microbatches
 
+    t = cfg.training
     n_micro = pp_microbatches(cfg)
-    local = t.local_batch_size or t.global_batch_size // dims.dp
-    accum = t.global_batch_size // (dims.dp * local)
-    seq = t.seq_len // dims.tp if (dims.tp > 1 and p.sequence_parallel) else t.seq_len
+    local, accum, seq = step_shape(cfg, dims)
     elem = 2 if t.mixed_precision_param == "bfloat16" else 4
     per_mb = (local // n_micro) * seq * model_cfg.dim * elem
     boundaries = sum((i > 0) + (i < n_stages - 1) for i, _ in parts)  # sends + receives ...
