@@ -1,4 +1,4 @@
-"""Train a Llama with FSDP2 x tensor parallelism x pipeline parallelism from a TOML config.
+"""Train a Llama or GPT-2 with FSDP2 x tensor parallelism x pipeline parallelism from a TOML config.
 
     torchrun --nproc-per-node 4 train.py --config debug_2d              # CPU, dp 2 x tp 2
     torchrun --nproc-per-node 8 train.py --config debug_3d              # CPU, pp 2 x dp 2 x tp 2
@@ -23,9 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.gpt2 import FLAVORS as GPT2_FLAVORS
+from models.gpt2 import GPT2
 from models.llama import Llama
 from parallel import LayoutError, ParallelDims, mesh_coordinate, mixed_precision_policy, parallelize, submesh
 from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
+from parallel.tied import tie_across_stages
 from training.checkpoint import CheckpointError, CheckpointManager
 from training.config import ConfigError, JobConfig, config_to_toml, parse_args
 from training.data import build_dataloader, build_tokenizer
@@ -46,25 +49,31 @@ def build_parallel_dims(cfg: JobConfig, world_size: int | None = None) -> Parall
                         world_size=world_size)
 
 
-def build_model(cfg: JobConfig, tokenizer_vocab: int) -> Llama:
-    vocab = cfg.model.vocab_size or -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
+    """The whole model on meta: no memory, whatever its size."""
+    m, seq_len = cfg.model, cfg.training.seq_len
+    vocab = m.vocab_size or -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if vocab < tokenizer_vocab:
         raise ConfigError(f"[model] vocab_size = {vocab} is smaller than the tokenizer's "
                           f"vocabulary ({tokenizer_vocab})")
-    return Llama.from_flavor(cfg.model.flavor, meta=True, vocab_size=vocab, norm_eps=cfg.model.norm_eps,
-                             max_seq_len=max(cfg.training.seq_len, 1))
+    if m.name == "gpt2":
+        # Learned positions: the flavor's table size is part of the model, not the run.
+        rows = GPT2_FLAVORS[m.flavor].max_seq_len
+        if seq_len > rows:
+            raise ConfigError(f"[training] seq_len = {seq_len} is longer than GPT-2 {m.flavor}'s {rows} "
+                              f"learned positions; use seq_len <= {rows}")
+        return GPT2.from_flavor(m.flavor, meta=True, vocab_size=vocab, norm_eps=m.norm_eps)
+    # Rotary tables are computed, not learned: size them for this run.
+    return Llama.from_flavor(m.flavor, meta=True, vocab_size=vocab, norm_eps=m.norm_eps, max_seq_len=seq_len)
 
 
-def check_layout(cfg: JobConfig, dims: ParallelDims, model: Llama) -> list[list[int]] | None:
+def check_layout(cfg: JobConfig, dims: ParallelDims, model: nn.Module) -> list[list[int]] | None:
     """Everything about the layout that can be known before any process group exists.
     Returns the layers of each pipeline stage (None without a pipeline)."""
     t, p = cfg.training, cfg.parallelism
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if resolve_device(cfg) == "cuda" else None
     dims.check_model(model.tp_divisible(), seq_len=t.seq_len, sequence_parallel=p.sequence_parallel,
                      gpus_per_node=gpus_per_node)
-    if model.cfg.tie_embeddings and (dims.tp > 1 or dims.pp > 1):
-        raise LayoutError(f'[model] flavor = "{cfg.model.flavor}" ties its embedding and output weights, '
-                          f"which cannot be split by tp = {dims.tp} / pp = {dims.pp} yet; use tp = pp = 1")
     local = t.local_batch_size or t.global_batch_size // dims.dp
     if local < 1 or t.global_batch_size % (dims.dp * local):  # local is 0 when global < dp
         per_step = (f"dp * local_batch_size = {dims.dp_replicate}*{dims.dp_shard} * {local} = {dims.dp * local}"
@@ -75,6 +84,9 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, model: Llama) -> list[list[
         raise ConfigError(f'[training] dataset = "text" needs dataset_path = a file or folder of text; '
                           f'"{t.dataset_path}" does not exist')
     hf = cfg.checkpoint.initial_load_hf
+    if hf and cfg.model.name != "llama":
+        raise ConfigError(f'[checkpoint] initial_load_hf reads Hugging Face Llama weights; [model] name = '
+                          f'"{cfg.model.name}" has no importer')
     if hf and not os.path.isfile(Path(hf) / "config.json"):  # False, not OSError, for too long a name
         raise ConfigError(f"[checkpoint] initial_load_hf = \"{hf}\": no Hugging Face config.json there "
                           f"(expected a folder with config.json and *.safetensors)")
@@ -152,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     model_parts = [parallelize_model(part, mesh, cfg) for _, part in parts]
     for part in model_parts:
         part.init_weights(seed=cfg.training.seed, device=device)
+    # A weight tied across stages (GPT-2's embedding and output) has a copy on each end.
+    tied = tie_across_stages(model_parts, mesh, pp_mesh, model.tied_weights()) if pp_mesh is not None else None
 
     dp_rank, dp_size = mesh_coordinate(mesh, "dp")
     data, _ = build_dataloader(cfg.training, dp_rank=dp_rank, dp_size=dp_size)
@@ -220,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                                                       last=last, max_norm=t.max_norm,
                                                       loss_parallel=use_loss_parallel, dp_mesh=dp_mesh,
                                                       pp_mesh=pp_mesh, device=device, step=step,
-                                                      skip_nonfinite=True)
+                                                      skip_nonfinite=True, tied=tied)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the weights were left alone
                 skipped += 1
                 if t.nonfinite == "stop" or skipped > t.max_skipped_steps:

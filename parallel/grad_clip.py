@@ -21,13 +21,18 @@ from torch.distributed.tensor import DTensor, Replicate
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, *, norm_type: float = 2.0,
-                    pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """Clip in place (when ``max_norm > 0``) and return the global gradient norm."""
+                    pp_mesh: DeviceMesh | None = None, not_in_norm=()) -> torch.Tensor:
+    """Clip in place (when ``max_norm > 0``) and return the global gradient norm.
+    ``not_in_norm``: parameters that are clipped but not counted, such as the second copy
+    of a weight tied across pipeline stages."""
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
+    skip = {id(p) for p in not_in_norm}
+    counted = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
     inf = norm_type == float("inf")
     # (mesh, replication factor) -> local tensors; None mesh = plain tensors.
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
+    for g in counted:
         if isinstance(g, DTensor):
             if any(p.is_partial() for p in g.placements):
                 g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])

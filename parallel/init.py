@@ -44,9 +44,29 @@ def default_device() -> torch.device:
 
 def materialize(module: nn.Module, device: torch.device | str | None = None) -> None:
     """Allocate (uninitialized) storage for a module built on meta. Under FSDP/TP only the
-    local shards are allocated."""
+    local shards are allocated. Tied parameters stay tied (to_empty gives each module
+    its own new tensor when it swaps DTensors or crosses devices)."""
     if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        tied = tied_parameter_names(module)
         module.to_empty(device=device or default_device())
+        retie(module, tied)
+
+
+def tied_parameter_names(module: nn.Module) -> list[list[str]]:
+    """Groups of names that share one Parameter (a tied embedding and output layer)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def retie(module: nn.Module, tied: list[list[str]]) -> None:
+    """Point every name of each group back at the first name's Parameter."""
+    for names in tied:
+        source = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, source)
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import (PP_SCHEDULES, default_of, CONFIGS_DIR, LLAMA_FLAVORS, SECTIONS, ConfigError, JobConfig,
+from training.config import (PP_SCHEDULES, default_of, CONFIGS_DIR, GPT2_FLAVORS, LLAMA_FLAVORS, SECTIONS, ConfigError, JobConfig,
                              config_to_dict, config_to_toml, format_help, load_config,
                              parse_args, tomllib, validate)
 
@@ -51,6 +51,7 @@ def test_defaults_load_without_a_file():
 def test_every_section_round_trips_through_toml(tmp_path):
     base = JobConfig()
     cfg = dataclasses.replace(base, **{n: changed(getattr(base, n)) for n in SECTIONS})
+    cfg.model.flavor = "124M"  # a flavor of the changed family (gpt2)
     validate(cfg)
     for name in SECTIONS:  # every field is off its default, unless it has only one choice
         for f in dataclasses.fields(getattr(cfg, name)):
@@ -72,10 +73,18 @@ def test_every_field_documents_itself():
             assert f"--{name}.{f.name}=" in format_help()
 
 
-def test_llama_flavors_match_the_model_registry():
+def test_flavors_match_the_model_registries():
     pytest.importorskip("torch")
-    from models.llama.model import FLAVORS
-    assert tuple(FLAVORS) == LLAMA_FLAVORS
+    from models.gpt2.model import FLAVORS as GPT2
+    from models.llama.model import FLAVORS as LLAMA
+    assert tuple(LLAMA) == LLAMA_FLAVORS and tuple(GPT2) == GPT2_FLAVORS
+
+
+def test_a_flavor_of_the_other_family_is_refused_naming_both_keys():
+    msg = error(load_config, None, ["--model.flavor=124M"])
+    assert "--model.flavor=124M is not a llama flavor" in msg and '[model] name = "llama"' in msg
+    assert "405B" in msg
+    assert load_config(None, ["--model.name=gpt2", "--model.flavor=124M"]).model.flavor == "124M"
 
 
 def test_pipeline_schedules_match_parallel_and_the_installed_torch():

@@ -53,7 +53,12 @@ def test_layout_matches_single_process(runs, layout):
 
 @pytest.mark.parametrize("layout", list(parity.PP_LAYOUTS))
 def test_pipeline_layout_matches_single_process(pp_runs, layout):
-    assert_matches(pp_runs[layout], reference({}), layout)
+    got = pp_runs[layout]
+    for names in got["tied"]:  # e.g. the last stage's copy of the token embedding
+        for copy in names[1:]:
+            for when in ("init", "final"):
+                assert torch.equal(got[when].pop(copy), got[when][names[0]]), f"{layout}: {when} {copy} drifted"
+    assert_matches(got, reference(parity.PP_LAYOUTS[layout][2].get("model", {})), layout)
 
 
 def test_pipeline_stages_hold_every_layer_once(pp_runs):
@@ -69,14 +74,18 @@ def assert_matches(got: dict, want: dict, layout: str) -> None:
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), rtol=1e-4, atol=0)
     assert set(got["final"]) == set(want["final"])
-    # Summation order differs between layouts, and Adam divides by sqrt(v): for the few
-    # elements whose gradient is nearly zero it amplifies a 1e-7 difference to a few 1e-6.
-    # So: every element within 2% of one step (lr=1e-3), and 99.99% within 1e-6.
-    loose = 0
+    # Summation order differs between layouts, and Adam divides by sqrt(v): for elements
+    # whose gradient is nearly zero it amplifies a 1e-7 difference to 1e-6..4e-5. So every
+    # element within 5% of one step (lr = 1e-3), and 99.99% of the elements of parameters
+    # that training moves within 1e-6. A parameter whose true gradient is zero (GPT-2's
+    # key bias: a shift of every key leaves the softmax as it is) moves by rounding noise
+    # alone, under 1e-4 in the reference, and is held to the first bound only.
+    loose = total = 0
     for name, w in want["final"].items():
-        torch.testing.assert_close(got["final"][name], w, rtol=1e-4, atol=2e-5, msg=lambda m: f"{layout} {name}: {m}")
-        loose += (~torch.isclose(got["final"][name], w, rtol=1e-4, atol=1e-6)).sum().item()
-    total = sum(w.numel() for w in want["final"].values())
+        torch.testing.assert_close(got["final"][name], w, rtol=1e-4, atol=5e-5, msg=lambda m: f"{layout} {name}: {m}")
+        if (w - want["init"][name]).abs().max() > 1e-4:
+            loose += int((~torch.isclose(got["final"][name], w, rtol=1e-4, atol=1e-6)).sum())
+            total += w.numel()
     assert loose <= 1e-4 * total, f"{layout}: {loose} of {total} weights differ by more than 1e-6"
 
 

@@ -113,11 +113,23 @@ def test_llama405b_3d_builds_at_512_ranks_with_each_stage_on_its_ranks(fake_worl
     assert 400e9 < sum(p.numel() for p in model.parameters()) < 410e9
 
 
-def test_tied_embeddings_cannot_be_split_over_stages():
-    model = Llama.from_flavor("1B", meta=True)
-    with pytest.raises(ValueError, match="tied embeddings"):
-        model.pipeline_stage([0], first=True, last=False)
-    assert model.pipeline_stage(list(range(16)), first=True, last=True).output is not None
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tied_weights_split_over_stages_start_as_equal_copies(family):
+    from models.gpt2 import GPT2
+
+    cls, embed, out = (Llama, "tok_embeddings.weight", "output.weight") if family == "llama" else \
+        (GPT2, "wte.weight", "lm_head.weight")
+    model = cls.from_flavor("debug", meta=True, tie_embeddings=True)
+    assert model.tied_weights() == [(embed, out)]
+    first = model.pipeline_stage([0, 1], first=True, last=False)
+    last = model.pipeline_stage([2, 3], first=False, last=True)
+    whole = model.pipeline_stage([0, 1, 2, 3], first=True, last=True)
+    for stage in (first, last, whole):
+        stage.init_weights(seed=3)
+    first_w, last_w = dict(first.named_parameters())[embed], dict(last.named_parameters())[out]
+    assert last_w is not first_w and torch.equal(last_w, first_w)  # a copy, drawn as its source
+    assert whole.get_parameter(out) is whole.get_parameter(embed)  # on one stage: still one weight
+    assert torch.equal(whole.get_parameter(embed), first_w)
 
 
 def test_a_stage_keeps_the_whole_models_parameter_names():

@@ -83,14 +83,33 @@ def test_activation_checkpointing_and_cpu_offload_change_no_loss_and_bf16_stays_
     assert not torch.equal(bf16, single)  # bf16 compute really ran
 
 
-def test_tied_embeddings_refuse_tensor_parallel(fake_world):
-    from models.llama import Llama
-    from parallel import parallelize
+def test_gpt2_with_tied_embeddings_trains_in_3d_resumes_in_one_process_and_exports(tmp_path):
+    # pp 2 x dp_shard 2 x tp 2: the tied weight is one DTensor under TP and a pair of
+    # copies on the first and last stage, whose gradients are summed every step.
+    one_proc = ("--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.tp=1")
+    flat = "--lr_scheduler.decay_type=constant"  # the lr of steps 1-6 does not depend on the run's length
+    one = _losses(tmp_path, "gpt2_single", 1, *one_proc, flat, "--training.steps=8", config="gpt2_debug_3d")
+    three_d = _losses(tmp_path, "gpt2_3d", 8, flat, "--checkpoint.enable=true", config="gpt2_debug_3d")
+    assert one[-1] < one[0] - 0.5, one
+    torch.testing.assert_close(three_d, one[:6], rtol=1e-4, atol=0)
 
-    fake_world(2)
-    mesh = ParallelDims(tp=2, dp_shard=1).build_mesh("cpu")
-    with pytest.raises(ValueError, match="tied embeddings"):
-        parallelize(Llama.from_flavor("1B", meta=True), mesh)
+    # The pipeline's step-6 checkpoint (the embedding on stage 0, its copy on stage 1)
+    # resumes as one tied weight in one process, and steps 7-8 continue the same run.
+    resumed = _losses(tmp_path, "gpt2_3d", 1, *one_proc, flat, "--checkpoint.enable=true", "--training.steps=8",
+                      config="gpt2_debug_3d")
+    torch.testing.assert_close(resumed[-2:], one[-2:], rtol=1e-4, atol=0)
+
+    from models.gpt2 import GPT2
+    from training.export import export
+
+    step6 = tmp_path / "gpt2_3d" / "checkpoint" / "step-00000006"
+    export(step6, tmp_path / "gpt2.pt", "torch")
+    state = torch.load(tmp_path / "gpt2.pt")
+    assert torch.equal(state["wte.weight"], state["lm_head.weight"])
+    model = GPT2.from_flavor("debug", vocab_size=state["wte.weight"].shape[0])
+    model.load_state_dict(state)  # strict: every name, nothing extra
+    with pytest.raises(ValueError, match="Hugging Face export is for Llama"):
+        export(step6, tmp_path / "hf", "hf")
 
 
 def _train_cli(*args):
@@ -149,6 +168,22 @@ def test_llama70b_2d_config_builds_its_mesh_at_64_ranks(fake_world):
     assert mesh["tp"].mesh.tolist() == list(range(8, 16))  # rank 9's node
     model = train.parallelize_model(model, mesh, cfg)
     assert sum(p.numel() for p in model.parameters()) > 70e9
+
+
+def test_gpt2_175b_config_shards_its_tied_weight_once_at_128_ranks(fake_world):
+    from torch.distributed.tensor import Shard
+
+    cfg = load_config(ROOT / "configs" / "gpt2_175b.toml")
+    cfg.job.device = "cpu"
+    fake_world(128, rank=0)
+    dims = train.build_parallel_dims(cfg, world_size=128)
+    model = train.build_model(cfg, tokenizer_vocab=258)
+    train.check_layout(cfg, dims, model)
+    assert 174e9 < sum(p.numel() for p in model.parameters()) < 175e9  # the tied weight counted once
+    model = train.parallelize_model(model, dims.build_mesh("cpu"), cfg)
+    wte = model.wte.weight
+    assert model.lm_head.weight is wte  # still one weight after TP and FSDP
+    assert wte.placements[-1] == Shard(0) and wte.to_local().shape == (50304 // 128, 12288)
 
 
 def test_llama_flavors_in_config_match_the_model_registry():

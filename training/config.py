@@ -27,9 +27,11 @@ else:  # pragma: no cover
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-# The keys of models.llama.FLAVORS, repeated here so that reading a config never
-# imports torch (a test keeps the two lists equal).
+# The keys of models.llama.FLAVORS and models.gpt2.FLAVORS, repeated here so that reading
+# a config never imports torch (a test keeps the lists equal).
 LLAMA_FLAVORS = ("debug", "1B", "8B", "70B", "405B")
+GPT2_FLAVORS = ("debug", "124M", "350M", "774M", "1.5B", "6.7B", "13B", "175B")
+MODEL_FLAVORS = {"llama": LLAMA_FLAVORS, "gpt2": GPT2_FLAVORS}
 DTYPES = ("float32", "bfloat16")
 # The keys of parallel.pipeline.SCHEDULES (the same test keeps them equal).
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
@@ -66,8 +68,10 @@ class JobSection:
 
 @dataclass
 class ModelSection:
-    name: str = opt("llama", "model family", choices=("llama",))
-    flavor: str = opt("debug", "size preset (debug is tiny, for tests)", choices=LLAMA_FLAVORS)
+    name: str = opt("llama", "model family: llama (Llama 3) or gpt2 (GPT-2/GPT-3 shapes, tied "
+                    "embeddings)", choices=tuple(MODEL_FLAVORS))
+    flavor: str = opt("debug", "size preset of that family (debug is tiny, for tests)",
+                      choices=tuple(dict.fromkeys(LLAMA_FLAVORS + GPT2_FLAVORS)))
     vocab_size: int = opt(0, "embedding rows; 0: take it from the tokenizer", min=0,
                           max=2**31)  # token ids are int32
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0, lt=math.inf)
@@ -335,6 +339,12 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
                 raise ConfigError(f"{where} is not accepted.{hint} "
                                   f"Accepted values: {describe_accepted(meta)}.")
             raise ConfigError(f"{where} is out of range; accepted: {describe_accepted(meta)}.")
+
+    m = cfg.model
+    if m.flavor not in MODEL_FLAVORS[m.name]:
+        where = _where("model", "flavor", m.flavor, sources.get(("model", "flavor")))
+        raise ConfigError(f'{where} is not a {m.name} flavor ([model] name = "{m.name}"). '
+                          f"Accepted values: {', '.join(MODEL_FLAVORS[m.name])}.")
 
     t = cfg.training
     if t.local_batch_size and t.global_batch_size % t.local_batch_size:

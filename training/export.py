@@ -1,10 +1,11 @@
-"""Export a training checkpoint to Hugging Face Llama format or one consolidated torch file.
+"""Export a training checkpoint to Hugging Face Llama format or one consolidated torch file
+(any model family).
 
     python -m training.export CHECKPOINT_DIR OUT --format hf|torch [--dtype bfloat16|float32]
 
 A checkpoint is a torch.distributed.checkpoint (DCP) folder written by any layout: model
 weights under the keys ``model.<parameter name>``, plus ``model_config.json`` (the
-LlamaConfig as JSON). DCP reassembles each full tensor from the shards of all ranks, so
+model's config as JSON; ``job_config.toml`` says which family). DCP reassembles each full tensor from the shards of all ranks, so
 this runs in one process with no process group, reading one tensor at a time: format hf
 holds at most one output shard in memory, format torch (``torch.load`` of a dict of our
 parameter names) the whole model. Other keys (optimizer state, data position) are ignored.
@@ -26,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from models.gpt2.model import GPT2Config
 from models.llama.model import LlamaConfig
 from parallel.init import canonical_name
 
@@ -44,17 +46,33 @@ class _MetadataOnceReader(FileSystemReader):
         return self._metadata
 
 
-def read_model_config(checkpoint_dir: str | Path) -> LlamaConfig:
+CONFIGS = {"llama": LlamaConfig, "gpt2": GPT2Config}
+
+
+def read_family(checkpoint_dir: str | Path) -> str:
+    """[model] name of the run that wrote the checkpoint (llama when it does not say)."""
+    path = Path(checkpoint_dir) / "job_config.toml"
+    if not path.is_file():
+        return "llama"
+    name = re.search(r'^\[model\][^\[]*?^name = "([^"]+)"', path.read_text(), flags=re.M | re.S)
+    return name.group(1) if name else "llama"
+
+
+def read_model_config(checkpoint_dir: str | Path) -> LlamaConfig | GPT2Config:
     path = Path(checkpoint_dir) / "model_config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the checkpoint does not say which model it holds")
+    family = read_family(checkpoint_dir)
+    if family not in CONFIGS:
+        raise ValueError(f"{path}: unknown model family {family!r}; known: {', '.join(CONFIGS)}")
+    cls = CONFIGS[family]
     fields = json.loads(path.read_text())
-    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+    known = {f.name for f in dataclasses.fields(cls)}
     if unknown := sorted(set(fields) - known):
-        raise ValueError(f"{path}: unknown LlamaConfig fields {', '.join(unknown)}")
+        raise ValueError(f"{path}: unknown {cls.__name__} fields {', '.join(unknown)}")
     if fields.get("rope_scaling") is not None:  # a tuple in the dataclass, a list in JSON
         fields["rope_scaling"] = tuple(fields["rope_scaling"])
-    return LlamaConfig(**fields)
+    return cls(**fields)
 
 
 def _order(name: str):
@@ -98,12 +116,17 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
     if fmt == "hf":
         from models.llama.hf import save_hf
 
+        if not isinstance(cfg, LlamaConfig):
+            raise ValueError(f"{checkpoint_dir} holds a {read_family(checkpoint_dir)} model; Hugging Face "
+                             "export is for Llama checkpoints. Use --format torch")
+
         save_hf(tensors, cfg, out)
     else:
         state = dict(tensors)
-        if cfg.tie_embeddings and "tok_embeddings.weight" in state:
-            # Tied: one tensor under both names (stored once), as the model's state_dict has it.
-            state.setdefault("output.weight", state["tok_embeddings.weight"])
+        for embedding, output in (("tok_embeddings.weight", "output.weight"), ("wte.weight", "lm_head.weight")):
+            if cfg.tie_embeddings and embedding in state:
+                # Tied: one tensor under both names (stored once), as the model's state_dict has it.
+                state.setdefault(output, state[embedding])
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, out)
 

@@ -50,13 +50,15 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
                         max_norm: float = 0.0, loss_parallel: bool = False,
                         dp_mesh: DeviceMesh | None = None, pp_mesh: DeviceMesh | None = None,
                         device: torch.device | None = None, step: int = 0,
-                        skip_nonfinite: bool = False) -> tuple[float, float]:
+                        skip_nonfinite: bool = False, tied=None) -> tuple[float, float]:
     """`train_step` for a pipeline: the schedule runs this rank's stages (``model_parts``)
     over each micro-batch, cut again into the schedule's own micro-batches. ``first`` /
     ``last``: this rank holds the first / last stage (feeds tokens / computes the loss).
 
     The schedule's loss function must divide by every micro-batch of the step (see
-    `pipeline_loss_fn`). Returns the same values as `train_step` on every rank."""
+    `pipeline_loss_fn`). ``tied``: weights tied across stages (`parallel.tied`), whose
+    copies' gradients are summed before clipping. Returns the same values as `train_step`
+    on every rank."""
     device = device or _device_of(model_parts[0])
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
@@ -69,14 +71,18 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
                 schedule.step(*args, target=target, losses=losses if last else None, return_outputs=False)
             for loss in losses:
                 total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+    if tied is not None:
+        with step_phase(step, "tied-weight gradient sum"):
+            tied.sum_gradients()
     params = [p for part in model_parts for p in part.parameters()]
-    return _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite)
+    return _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite,
+                        not_in_norm=tied.duplicates if tied is not None else ())
 
 
-def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite):
+def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite, not_in_norm=()):
     """Clip, update (unless skipping a non-finite step), and share the loss for reporting."""
     with step_phase(step, "gradient clipping"):
-        grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh)
+        grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh, not_in_norm=not_in_norm)
     if skip_nonfinite and not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
     else:

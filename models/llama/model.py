@@ -200,10 +200,9 @@ class Llama(nn.Module):
 
     def pipeline_stage(self, layer_ids: list[int], *, first: bool, last: bool) -> "Llama":
         """A copy holding only ``layer_ids`` (plus the embeddings if ``first``, the final
-        norm and output if ``last``). Call it on the meta model, where copying is free."""
-        if self.cfg.tie_embeddings and not (first and last):
-            raise ValueError("tied embeddings (the 1B flavor) cannot be split over pipeline stages: "
-                             "the embedding sits on the first stage and the output on the last")
+        norm and output if ``last``). Call it on the meta model, where copying is free.
+        With tied embeddings the last stage's ``output.weight`` becomes its own copy,
+        kept equal to the first stage's by parallel.tied."""
         stage = copy.deepcopy(self)
         keep = {str(i) for i in layer_ids}
         for name in [n for n in stage.layers if n not in keep]:
@@ -221,12 +220,12 @@ class Llama(nn.Module):
     def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True):
         from models.llama.tp_plan import llama_tp_plan
 
-        if self.cfg.tie_embeddings:
-            # parallelize_module would replace each of the two tied modules' weight with
-            # its own DTensor, silently untying them.
-            raise ValueError("tensor parallelism with tied embeddings (the 1B flavor) is not "
-                             "supported yet; use tp=1 for this flavor")
         return llama_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+    def tied_weights(self) -> list[tuple[str, ...]]:
+        """Parameter names that hold one weight (the first is the one counted in the
+        gradient norm when a pipeline splits them over two stages)."""
+        return [("tok_embeddings.weight", "output.weight")] if self.cfg.tie_embeddings else []
 
     def tp_divisible(self) -> dict[str, int]:
         """Sizes that tensor parallelism splits, so each must be divisible by tp."""
@@ -243,7 +242,9 @@ class Llama(nn.Module):
         c = self.cfg
         depth_std = 0.02 / math.sqrt(2 * c.n_layers)  # residual-branch outputs (GPT-2 scaling)
         with torch.no_grad():
+            alias = {copy_: names[0] for names in self.tied_weights() for copy_ in names[1:]}
             for name, param in self.named_parameters():
+                name = alias.get(name, name)  # a tied copy starts as its source
                 if name.endswith("norm.weight"):
                     init_param_(param, seed, name, lambda t, g: t.fill_(1.0))
                 elif name.endswith(("wo.weight", "w2.weight")):

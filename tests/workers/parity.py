@@ -1,4 +1,4 @@
-"""Train the debug Llama a few steps under one parallel layout and record losses, gradient
+"""Train the debug Llama (or GPT-2) a few steps under one parallel layout and record losses, gradient
 norms and full weights (at init and at the end). Run with no process group for the
 single-process reference, or under torchrun for a layout:
 
@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from models.gpt2 import GPT2
 from models.llama import Llama
 from parallel import ParallelDims, parallelize, submesh
 from training.step import train_step
 
 STEPS, BATCH, SEQ, LR, MAX_NORM = 8, 8, 32, 1e-3, 0.5
 
-# name -> (ParallelDims kwargs, sharding strategy, model overrides)
+# name -> (ParallelDims kwargs, sharding strategy, model overrides; family="gpt2" picks GPT-2)
 LAYOUTS = {
     "fsdp4": (dict(dp_shard=4), "FULL_SHARD", {}),
     "tp4": (dict(tp=4, dp_shard=1), "FULL_SHARD", {}),
@@ -36,12 +37,17 @@ LAYOUTS = {
     # A vocab of 250 does not split evenly over 4 FSDP ranks (63, 63, 63, 61 rows).
     "uneven_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(vocab_size=250)),
     "uneven_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(vocab_size=250)),
+    # Tied embedding/output weights must stay one weight under TP and FSDP.
+    "tied_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(tie_embeddings=True)),
+    "gpt2_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="gpt2")),
+    "gpt2_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="gpt2")),
+    "gpt2_tp4": (dict(tp=4, dp_shard=1), "FULL_SHARD", dict(family="gpt2")),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
 # Pipeline layouts: name -> (ParallelDims kwargs, schedule, options). Options: strategy
 # (default "auto" = SHARD_GRAD_OP under PP), stages per rank, micro-batches, split points,
-# accumulation (batches per step through the schedule).
+# accumulation (batches per step through the schedule), model (overrides as above).
 PP_LAYOUTS = {
     "pp2_1f1b": (dict(pp=2, dp_shard=1), "1F1B", dict(micro=4)),
     "pp2_gpipe": (dict(pp=2, dp_shard=1), "GPipe", dict(micro=2)),
@@ -55,7 +61,21 @@ PP_LAYOUTS = {
     "pp2_dp2_full_shard": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=4, strategy="FULL_SHARD")),
     "pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2)),
     "pp2_dp2_tp2": (dict(pp=2, dp_shard=2, tp=2), "1F1B", dict(micro=2)),
+    # Tied weights split over the first and last stage: on two ranks (looped), or on one
+    # (V-shaped: the first and last stage share rank 0).
+    "tied_pp2": (dict(pp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(tie_embeddings=True))),
+    "gpt2_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(family="gpt2"))),
+    "gpt2_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="gpt2"))),
+    "gpt2_pp2_zbv": (dict(pp=2, dp_shard=1), "ZBVZeroBubble", dict(per_rank=2, micro=4,
+                                                                    model=dict(family="gpt2"))),
 }
+
+
+def build(overrides: dict):
+    """The debug model on meta: GPT-2 when overrides say family="gpt2", else Llama."""
+    overrides = dict(overrides)
+    family = GPT2 if overrides.pop("family", "llama") == "gpt2" else Llama
+    return family.from_flavor("debug", meta=True, **overrides)
 
 
 def batches(vocab_size: int) -> torch.Tensor:
@@ -73,6 +93,7 @@ def full_weights(model) -> dict[str, torch.Tensor]:
 
 def run_pipeline(layout: str) -> dict:
     from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages
+    from parallel.tied import tie_across_stages
     from training.step import pipeline_loss_fn, pipeline_train_step
 
     dims, schedule_name, opts = PP_LAYOUTS[layout]
@@ -81,7 +102,7 @@ def run_pipeline(layout: str) -> dict:
     pp_mesh, dp_mesh, tp_mesh = submesh(mesh, "pp"), submesh(mesh, "dp"), submesh(mesh, "tp")
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     per_rank = BATCH // dp_size
-    model = Llama.from_flavor("debug", meta=True)
+    model = build(opts.get("model", {}))
     layers = check_pipeline(pp=pp_mesh.size(), n_layers=model.cfg.n_layers, schedule=schedule_name,
                             stages_per_rank=opts.get("per_rank", 1), n_microbatches=micro,
                             local_batch=per_rank // accum, split_points=opts.get("split", ()))
@@ -91,16 +112,19 @@ def run_pipeline(layout: str) -> dict:
         part.init_weights(seed=0)
     modules = [part for _, part in parts]
     ids = [i for i, _ in parts]
+    tied = tie_across_stages(modules, mesh, pp_mesh, model.tied_weights())
     schedule = build_schedule(schedule_name, parts, pp_mesh, n_microbatches=micro, n_stages=len(layers),
                               loss_fn=pipeline_loss_fn(micro * accum), device=torch.device("cpu"))
-    result = {"init": gather_stages(modules, pp_mesh), "losses": [], "grad_norms": [], "layers": layers}
+    result = {"init": gather_stages(modules, pp_mesh), "losses": [], "grad_norms": [], "layers": layers,
+              "tied": model.tied_weights()}
     optimizer = torch.optim.AdamW(torch.nn.ModuleList(modules).parameters(), lr=LR, weight_decay=0.1)
     for tokens in batches(model.cfg.vocab_size):
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         steps = [(c[:, :-1], c[:, 1:]) for c in local.chunk(accum)]
         loss, norm = pipeline_train_step(schedule, modules, optimizer, steps, first=0 in ids,
                                          last=len(layers) - 1 in ids, max_norm=MAX_NORM,
-                                         loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh, pp_mesh=pp_mesh)
+                                         loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh, pp_mesh=pp_mesh,
+                                         tied=tied)
         result["losses"].append(loss)
         result["grad_norms"].append(norm)
     result["final"] = gather_stages(modules, pp_mesh)
@@ -120,7 +144,7 @@ def gather_stages(modules, pp_mesh) -> dict[str, torch.Tensor]:
 def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     """``layout=None``: the single-process reference (no process group, plain tensors)."""
     dims, strategy, overrides = LAYOUTS[layout] if layout else ({}, "FULL_SHARD", model_overrides or {})
-    model = Llama.from_flavor("debug", meta=True, **overrides)
+    model = build(overrides)
     dp_rank, dp_size, dp_mesh, tp_mesh = 0, 1, None, None
     if layout is not None:
         mesh = ParallelDims(**dims).build_mesh()

@@ -1,0 +1,210 @@
+"""GPT-2 / GPT-3 (the minGPT architecture): learned position embeddings, pre-LayerNorm
+blocks with biases, GELU MLP of 4x width, and the output layer tied to the token
+embedding.
+
+Like models/llama, attention derives its head count from the *local* width of its
+projections, so one forward runs on full weights and on tensor-parallel shards alike.
+q, k and v are separate Linears (not GPT-2's fused c_attn) so that splitting each by
+output columns gives every TP rank whole heads.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from parallel.init import init_param_, materialize, trunc_normal_
+
+
+@dataclass
+class GPT2Config:
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    vocab_size: int = 50_304  # GPT-2's 50,257 padded to a multiple of 64
+    max_seq_len: int = 1024  # rows of the learned position embedding
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return 4 * self.dim
+
+
+# GPT-2 (Radford et al. 2019) and the GPT-3 shapes (Brown et al. 2020; 175B is also the
+# largest model of the PyTorch FSDP paper's table). "debug" is ours: tiny, TP up to 8.
+FLAVORS: dict[str, GPT2Config] = {
+    "debug": GPT2Config(dim=128, n_layers=4, n_heads=8, vocab_size=256, max_seq_len=512),
+    "124M": GPT2Config(dim=768, n_layers=12, n_heads=12),
+    "350M": GPT2Config(dim=1024, n_layers=24, n_heads=16),
+    "774M": GPT2Config(dim=1280, n_layers=36, n_heads=20),
+    "1.5B": GPT2Config(dim=1600, n_layers=48, n_heads=25),
+    "6.7B": GPT2Config(dim=4096, n_layers=32, n_heads=32, max_seq_len=2048),
+    "13B": GPT2Config(dim=5120, n_layers=40, n_heads=40, max_seq_len=2048),
+    "175B": GPT2Config(dim=12_288, n_layers=96, n_heads=96, max_seq_len=2048),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.dim)
+        self.wk = nn.Linear(cfg.dim, cfg.dim)
+        self.wv = nn.Linear(cfg.dim, cfg.dim)
+        self.wo = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x):
+        q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, cfg.ffn_hidden)
+        self.proj = nn.Linear(cfg.ffn_hidden, cfg.dim)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    """Token ids [b, s] -> logits [b, s, vocab]; on pipeline stages after the first, hidden
+    states [b, s, dim] -> hidden states (or logits on the last).
+
+    The output layer's weight *is* the token embedding's (one Parameter under two names).
+    Tensor parallelism keeps them one (see parallel.tensor_parallel); on a pipeline the
+    first and last stage each hold a copy whose gradients are summed every step (see
+    parallel.tied)."""
+
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    @classmethod
+    def from_flavor(cls, flavor: str, *, meta: bool = False, **overrides) -> "GPT2":
+        if flavor not in FLAVORS:
+            raise ValueError(f"unknown GPT-2 flavor {flavor!r}; accepted: {', '.join(FLAVORS)}")
+        cfg = replace(FLAVORS[flavor], **overrides)
+        with torch.device("meta" if meta else "cpu"):
+            model = cls(cfg)
+        if not meta:
+            model.init_weights()
+        return model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None:
+            if tokens.shape[1] > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {tokens.shape[1]} tokens, but the position embedding "
+                                 f"has {self.cfg.max_seq_len} rows (max_seq_len)")
+            # [1, s]: the position lookup's output is [1, s, dim], sharded like the tokens'.
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            h = self.wte(tokens) + self.wpe(positions)
+        else:
+            h = tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.lm_head is None:
+            return h
+        return self.lm_head(self.ln_f(h))
+
+    # ---- what parallel/ needs to know about this model ----
+
+    def fsdp_units(self) -> list[nn.Module | list[nn.Module]]:
+        """Each block alone; embeddings and head as one unit when both are here (the tied
+        weight must live in exactly one unit), else each end on its own stage."""
+        units: list = list(self.layers.values())
+        embed = [m for m in (self.wte, self.wpe) if m is not None]
+        head = [m for m in (self.ln_f, self.lm_head) if m is not None]
+        if embed and head:
+            return units + [embed + head]
+        return ([embed] if embed else []) + units + ([head] if head else [])
+
+    def transformer_blocks(self) -> nn.ModuleDict:
+        return self.layers
+
+    def tied_weights(self) -> list[tuple[str, ...]]:
+        """Parameter names that hold one weight. On a pipeline the names may sit on
+        different stages; the first is the one counted in the gradient norm."""
+        return [("wte.weight", "lm_head.weight")] if self.cfg.tie_embeddings else []
+
+    def pipeline_stage(self, layer_ids: list[int], *, first: bool, last: bool) -> "GPT2":
+        """A copy with only ``layer_ids``, the embeddings if ``first``, the final norm and
+        output if ``last``. Call it on the meta model. With tied weights the last stage's
+        ``lm_head.weight`` becomes its own copy (initialized like ``wte.weight``)."""
+        stage = copy.deepcopy(self)
+        keep = {str(i) for i in layer_ids}
+        for name in [n for n in stage.layers if n not in keep]:
+            del stage.layers[name]
+        if not first:
+            stage.wte = stage.wpe = None
+        if not last:
+            stage.ln_f = stage.lm_head = None
+        return stage
+
+    def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
+        from models.gpt2.tp_plan import gpt2_tp_plan
+
+        return gpt2_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+    def tp_divisible(self) -> dict[str, int]:
+        c = self.cfg
+        return {"heads": c.n_heads, "FFN width": c.ffn_hidden, "vocab size": c.vocab_size,
+                "max_seq_len (position embedding rows)": c.max_seq_len}
+
+    # ---- initialization: the same full weights whatever the layout ----
+
+    def init_weights(self, seed: int = 0, device: torch.device | str | None = None) -> None:
+        """GPT-2's scheme: N(0, 0.02) for matrices and embeddings, scaled by 1/sqrt(2L) on
+        the projections into the residual stream; zero biases; unit LayerNorm gains. A
+        copy of a tied weight is drawn under its source's name, so it starts identical."""
+        materialize(self, device)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        alias = {copy_: names[0] for names in self.tied_weights() for copy_ in names[1:]}
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                name = alias.get(name, name)
+                if name.endswith(".bias"):
+                    init_param_(param, seed, name, lambda t, g: t.zero_())
+                elif ".ln_" in name or name.startswith("ln_"):
+                    init_param_(param, seed, name, lambda t, g: t.fill_(1.0))
+                elif name.endswith(("attn.wo.weight", "mlp.proj.weight")):
+                    init_param_(param, seed, name, lambda t, g: trunc_normal_(t, residual_std, g))
+                else:
+                    init_param_(param, seed, name, lambda t, g: trunc_normal_(t, 0.02, g))
