@@ -27,6 +27,8 @@ from models.gpt2 import FLAVORS as GPT2_FLAVORS
 from models.gpt2 import GPT2
 from models.llama import Llama
 from parallel import LayoutError, ParallelDims, mesh_coordinate, mixed_precision_policy, parallelize, submesh
+from parallel.async_tp import async_tp_unavailable
+from parallel.float8 import apply_float8, float8_unavailable
 from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
 from parallel.tied import tie_across_stages
 from training.checkpoint import CheckpointError, CheckpointManager
@@ -36,7 +38,7 @@ from training.faults import (CollectiveFailure, GracefulStop, NonFiniteError, de
                              is_collective_failure, set_collective_timeout, step_phase)
 from training.metrics import MetricsLogger, device_peak_flops, flops_per_token, memory_stats
 from training.optim import Optimizers, Schedulers
-from training.step import pipeline_loss_fn, pipeline_train_step, train_step
+from training.step import compile_loss, pipeline_loss_fn, pipeline_train_step, train_step
 
 # Embedding rows are padded to a multiple of this when the vocabulary comes from the
 # tokenizer (258 for bytes), so any TP degree up to 64 divides it.
@@ -112,16 +114,34 @@ def pp_microbatches(cfg: JobConfig) -> int:
     return p.pp_microbatches or p.pp * stages_per_rank(cfg)
 
 
-def parallelize_model(model: Llama, mesh, cfg: JobConfig) -> Llama:
+def check_speed_options(cfg: JobConfig, dims: ParallelDims) -> None:
+    """[compile] async_tp and [float8] need hardware and packages a machine may lack: say
+    which, before any process group starts."""
+    device_type = resolve_device(cfg)
+    if cfg.compile.async_tp:
+        reason = async_tp_unavailable(device_type, compile=cfg.compile.enable, tp=dims.tp)
+        if reason:
+            raise ConfigError(f"[compile] async_tp = true cannot run here: {reason}")
+    if cfg.float8.enable:
+        reason = float8_unavailable(device_type, tp=dims.tp)
+        if reason:
+            raise ConfigError(f"[float8] enable = true cannot run here: {reason}")
+
+
+def parallelize_model(model: nn.Module, mesh, cfg: JobConfig) -> nn.Module:
     p, t = cfg.parallelism, cfg.training
     mixed = None
     if (t.mixed_precision_param, t.mixed_precision_reduce) != ("float32", "float32"):
         mixed = mixed_precision_policy(t.mixed_precision_param, t.mixed_precision_reduce)
+    if cfg.float8.enable:  # first: TP and FSDP then shard the float8 layers' weights as usual
+        apply_float8(model)  # every Linear but the output head
+    compile_loss(cfg.compile.loss)
     return parallelize(model, mesh, sharding_strategy=p.sharding_strategy, mixed_precision=mixed,
                        cpu_offload=p.cpu_offload, sequence_parallel=p.sequence_parallel,
                        loss_parallel=p.loss_parallel,
                        activation_checkpoint=cfg.activation_checkpoint.mode,
-                       ac_every=cfg.activation_checkpoint.selective_every, compile=cfg.compile.enable)
+                       ac_every=cfg.activation_checkpoint.selective_every, compile=cfg.compile.enable,
+                       async_tp=cfg.compile.async_tp)
 
 
 def resolve_device(cfg: JobConfig) -> str:
@@ -150,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     dims = build_parallel_dims(cfg)
     model = build_model(cfg, tokenizer.vocab_size)
     stage_layers = check_layout(cfg, dims, model)
+    check_speed_options(cfg, dims)
 
     mesh = dims.build_mesh(device_type, timeout_seconds=cfg.comm.init_timeout_seconds)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")

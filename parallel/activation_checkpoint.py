@@ -6,23 +6,66 @@ all-gather hooks sit outside the recomputed region and run once, not twice).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")
+
+
+def _ops(*names: str) -> frozenset:
+    """The default overloads of the named ops that this build of torch has: the
+    attention kernels differ by backend (flash / efficient / cuDNN on GPU, one for CPU)."""
+    found = set()
+    for name in names:
+        namespace, op = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, "default"):
+            found.add(packet.default)
+    return frozenset(found)
+
+
+# Op-level selective checkpointing keeps the outputs of the ops that are expensive to
+# redo -- matmuls (most of the FLOPs), attention (O(s^2) work), and collectives (a
+# recomputed all-gather would cross the network again) -- and recomputes everything
+# cheap and element-wise in between: norms, rotary embedding, SiLU, residual adds.
+SAVED_OPS = _ops(
+    "aten.mm", "aten.addmm", "aten.bmm",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "_c10d_functional.all_gather_into_tensor",
+    "_c10d_functional.reduce_scatter_tensor",
+    "_c10d_functional.all_reduce",
+)
+
+
+def save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The policy of mode "op". MUST_SAVE, not PREFER_SAVE: under torch.compile the
+    partitioner may otherwise choose to recompute a matmul to save memory."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_ac(blocks: nn.ModuleDict | nn.ModuleList, mode: str, every: int = 2) -> None:
     """``full``: recompute every block's activations in backward (keeps only block inputs:
     about 2·s·b·h bytes per layer instead of tens of times that). ``selective``: only every
-    ``every``-th block, trading part of the memory saving for less recomputation."""
+    ``every``-th block, trading part of the memory saving for less recomputation. ``op``:
+    every block, but only its cheap ops are recomputed (see SAVED_OPS): the element-wise
+    activations are dropped, the matmul and attention outputs kept, so backward redoes
+    little compute."""
     if mode not in AC_MODES:
         raise ValueError(f"unknown activation checkpoint mode {mode!r}; accepted: {', '.join(AC_MODES)}")
     if mode == "none":
         return
     for i, (key, block) in enumerate(_items(blocks)):
-        if mode == "full" or i % every == 0:
+        if mode == "op":
+            blocks[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, save_expensive_ops))
+        elif mode == "full" or i % every == 0:
             blocks[key] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 

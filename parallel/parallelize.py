@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from parallel.activation_checkpoint import apply_ac, apply_compile
+from parallel.async_tp import async_tp_unavailable, enable_async_tp
 from parallel.fsdp import apply_fsdp, fsdp_mesh, resolve_strategy
 from parallel.mesh import check_tp_fits, submesh
 from parallel.tensor_parallel import apply_tp
@@ -34,6 +35,7 @@ def parallelize(
     activation_checkpoint: str = "none",
     ac_every: int = 2,
     compile: bool = False,
+    async_tp: bool = False,
 ) -> nn.Module:
     """Apply TP (where the mesh has a tp dimension) and FSDP (where it has data parallelism).
     ``sharding_strategy="auto"`` chooses by the mesh (see `resolve_strategy`). For a
@@ -44,13 +46,22 @@ def parallelize(
     auto-wrap) or ``min_num_params`` (size-based wrap). Works on a meta-device model:
     nothing is allocated until ``init_weights`` / ``to_empty``. Activation checkpointing
     and compile wrap the blocks in ``model.transformer_blocks()`` (a ModuleDict/ModuleList).
+    ``async_tp`` overlaps TP collectives with matmuls inside the compiled blocks (CUDA,
+    ``compile=True`` and a tp dimension; see parallel/async_tp.py).
     """
     tp_mesh = submesh(mesh, "tp")
+    if async_tp:
+        reason = async_tp_unavailable(mesh.device_type, compile=compile,
+                                      tp=tp_mesh.size() if tp_mesh is not None else 1)
+        if reason:
+            raise ValueError(f"async_tp: {reason}")
     if tp_mesh is not None:
         if hasattr(model, "tp_divisible"):
             check_tp_fits(tp_mesh.size(), model.tp_divisible())
         plan = tp_plan if tp_plan is not None else _model_tp_plan(model, sequence_parallel, loss_parallel)
         apply_tp(model, tp_mesh, plan)
+        if async_tp:
+            enable_async_tp(tp_mesh)
 
     if activation_checkpoint != "none" or compile:
         if not hasattr(model, "transformer_blocks"):
@@ -62,6 +73,10 @@ def parallelize(
 
     sharding_strategy = resolve_strategy(sharding_strategy, mesh)
     dp_mesh = fsdp_mesh(mesh, sharding_strategy)
+    if dp_mesh is None and mesh.size() == 1 and (mixed_precision is not None or cpu_offload):
+        # One process: FSDP over the one-rank mesh communicates nothing, but it is what
+        # keeps fp32 master weights while computing in bf16 (or offloads to the CPU).
+        dp_mesh = mesh
     if dp_mesh is None:
         if mixed_precision is not None or cpu_offload:
             warnings.warn("no data parallelism in this layout, so FSDP is not applied and "

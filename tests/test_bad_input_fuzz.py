@@ -905,7 +905,7 @@ def good_overrides(draw):
         "optimizer.lr": draw(st.floats(1e-8, 1.0)), "optimizer.beta1": draw(st.floats(0, 0.999)),
         "lr_scheduler.decay_type": draw(st.sampled_from(["cosine", "linear", "wsd", "constant"])),
         "lr_scheduler.min_lr_ratio": draw(st.floats(0, 1)), "metrics.log_freq": draw(st.integers(1, 100)),
-        "activation_checkpoint.mode": draw(st.sampled_from(["none", "full", "selective"])),
+        "activation_checkpoint.mode": draw(st.sampled_from(["none", "full", "selective", "op"])),
         "job.name": draw(IDENT), "compile.enable": draw(st.booleans()),
         "model.vocab_size": draw(st.sampled_from([0, 320, 384, 512, 1024])),
     }

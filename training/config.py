@@ -175,15 +175,26 @@ class MetricsSection:
 
 @dataclass
 class ActivationCheckpointSection:
-    mode: str = opt("none", "recompute activations in backward: none, full (every block) "
-                    "or selective (every selective_every-th block)",
-                    choices=("none", "full", "selective"))
+    mode: str = opt("none", "recompute activations in backward: none, full (every block), "
+                    "selective (every selective_every-th block) or op (every block, keeping "
+                    "matmul, attention and collective outputs: only cheap ops are recomputed)",
+                    choices=("none", "full", "selective", "op"))
     selective_every: int = opt(2, "selective: checkpoint one block in this many", min=1)
 
 
 @dataclass
 class CompileSection:
     enable: bool = opt(False, "torch.compile each transformer block")
+    loss: bool = opt(False, "torch.compile the cross-entropy too (fuses the fp32 upcast of the "
+                     "logits into the softmax instead of materializing it)")
+    async_tp: bool = opt(False, "async tensor parallelism: compile overlaps each TP all-gather / "
+                         "reduce-scatter with its matmul (needs CUDA, enable = true and tp > 1)")
+
+
+@dataclass
+class Float8Section:
+    enable: bool = opt(False, "train the Linear layers (not the output layer) in float8 with "
+                       "torchao (pip install torchao; CUDA with compute capability >= 8.9)")
 
 
 @dataclass
@@ -208,6 +219,7 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
     compile: CompileSection = field(default_factory=CompileSection)
+    float8: Float8Section = field(default_factory=Float8Section)
     comm: CommSection = field(default_factory=CommSection)
 
 

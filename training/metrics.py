@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import resource
 import sys
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 GIB = 1024**3
 
@@ -73,6 +78,54 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = maxrss / GIB if sys.platform == "darwin" else maxrss * 1024 / GIB
     return {"rss_gib": peak, "peak_rss_gib": peak}
+
+
+def reset_peak_rss() -> bool:
+    """Restart the process's RSS high-water mark (``peak_rss_gib``) from the current RSS, so
+    two runs in one process each get their own peak. Linux only; False where unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class TrackedActivations(TorchDispatchMode):
+    """Bytes of the tensors created inside this context that are still alive: after a
+    forward pass, what autograd and activation checkpointing keep for backward.
+
+    A CPU stand-in for the CUDA allocator's counters, so checkpointing policies can be
+    compared anywhere. It sees eager ops only: kernels compiled by inductor allocate
+    their buffers without going through the dispatcher, so a compiled region counts
+    only its outputs. Views and in-place results share an input's storage and are not
+    new memory, so parameters (and views of them, like ``w.t()``) are never counted.
+
+        with TrackedActivations() as kept:
+            loss = model(x).sum()
+        print(kept.bytes())   # before loss.backward() frees them
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._sizes = WeakIdKeyDictionary()  # storage -> bytes; an entry dies with its storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if _plain(t)}
+        for t in tree_leaves(out):
+            if _plain(t) and id(t.untyped_storage()) not in inputs:
+                storage = t.untyped_storage()
+                self._sizes[storage] = storage.nbytes()
+        return out
+
+    def bytes(self) -> int:
+        gc.collect()  # a reference cycle may still hold a freed activation
+        return sum(self._sizes.values())
+
+
+def _plain(t) -> bool:
+    # Tensor subclasses (DTensor, FSDP's wrappers) have no storage of their own here.
+    return isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta"
 
 
 def _proc_status_kib() -> dict[str, int]:

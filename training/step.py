@@ -18,10 +18,26 @@ from parallel import clip_grad_norm_, loss_parallel_context
 from training.faults import step_phase
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _cross_entropy_fp32(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # fp32 for the softmax whatever the compute dtype: bf16 log-sum-exp over 128K
     # classes loses the small probabilities the gradient is made of.
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+_loss_impl = _cross_entropy_fp32
+
+
+def compile_loss(enable: bool = True) -> None:
+    """Route `cross_entropy` -- so every train step and pipeline loss -- through
+    torch.compile ([compile] loss): eager writes an fp32 copy of the [tokens, vocab]
+    logits before the softmax; compiled, the upcast is fused into the softmax kernel.
+    Process-wide, like torch.compile's own settings."""
+    global _loss_impl
+    _loss_impl = torch.compile(_cross_entropy_fp32) if enable else _cross_entropy_fp32
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return _loss_impl(logits, labels)
 
 
 def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
