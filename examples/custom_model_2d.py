@@ -59,6 +59,14 @@ class TinyLM(nn.Module):
 TP_PLAN = {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
 
 
+def fixed_tokens() -> torch.Tensor:
+    """The global batch: arithmetic sequences mod vocab, the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+    stride = torch.randint(1, 8, (BATCH, 1), generator=g)
+    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=2)
@@ -74,10 +82,7 @@ def main():
 
     dp_mesh = submesh(mesh, "dp")
     dp_rank, dp_size = mesh_coordinate(mesh, "dp")
-    g = torch.Generator().manual_seed(0)
-    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
-    stride = torch.randint(1, 8, (BATCH, 1), generator=g)
-    tokens = (start + stride * torch.arange(SEQ + 1)) % VOCAB  # arithmetic sequences mod vocab
+    tokens = fixed_tokens()
     per_rank = BATCH // dp_size
     local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
 

@@ -49,8 +49,25 @@ def test_dp2_tp2_matches_one_process(script):
     torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=0)
 
 
+def test_your_own_model_in_pipeline_stages_matches_one_process():
+    pipeline = run_torchrun("examples/custom_model_pipeline.py")  # pp 2 x dp_shard 2
+    assert_learns(pipeline)
+    single = run_single("examples/custom_model_2d.py", "--tp", "1")
+    torch.testing.assert_close(torch.tensor(pipeline), torch.tensor(single), rtol=1e-5, atol=0)
+
+
 def test_pipeline_example_pp2_dp2_matches_one_process():
     pipeline = run_torchrun("examples/compose_3d.py")  # pp 2 x dp_shard 2, 1F1B
     assert_learns(pipeline)
     single = run_single("examples/compose_2d.py", "--tp", "1")
     torch.testing.assert_close(torch.tensor(pipeline), torch.tensor(single), rtol=1e-5, atol=0)
+
+
+def test_the_readme_python_example_trains_under_torchrun(tmp_path):
+    # The README's first python block, as a reader would paste it, plus a print of the loss.
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, flags=re.S).group(1)
+    script = tmp_path / "readme_example.py"
+    script.write_text(code + "    if torch.distributed.get_rank() == 0:\n"
+                             "        print(f'step {step} loss {loss:.6f}', flush=True)\n")
+    assert_learns(run_torchrun(str(script)))
