@@ -5,7 +5,8 @@
     model = parallelize(model, mesh, sharding_strategy="FULL_SHARD")
 
 With pipeline stages: `split_into_stages` cuts the meta model, `parallelize` each stage,
-`build_schedule` runs them (see parallel/pipeline.py).
+`build_schedule` runs them (see parallel/pipeline.py); `tie_across_stages` keeps a weight
+tied between the first and last stage (parallel/tied.py).
 
 Knows no model: a model brings its TP plan (`tp_plan()`) and FSDP units (`fsdp_units()`),
 or the caller passes them.
@@ -28,6 +29,7 @@ from parallel.mesh import (
 from parallel.parallelize import parallelize
 from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages, split_layers, stage_ids
 from parallel.tensor_parallel import apply_tp, loss_parallel_context
+from parallel.tied import TiedWeights, tie_across_stages
 from parallel.wrap import modules_to_wrap
 
 __all__ = [
@@ -36,5 +38,5 @@ __all__ = [
     "init_param_", "loss_parallel_context", "materialize", "mesh_coordinate",
     "mixed_precision_policy", "modules_to_wrap", "parallelize", "submesh",
     "SCHEDULES", "build_schedule", "check_pipeline", "resolve_strategy", "split_into_stages", "split_layers",
-    "stage_ids",
+    "stage_ids", "TiedWeights", "tie_across_stages",
 ]

@@ -72,6 +72,16 @@ def test_tp_collectives_per_block_match_sequence_parallel(capsys):
         assert count == 4 * n_layers + 2
 
 
+def test_gpt2_first_stage_pays_one_tp_collective_pair_per_embedding():
+    report = dry_run(load_config("gpt2_debug_3d"), 8, rank=0)  # pp 2 x dp 2 x tp 2: stage 0, layers 0-1
+    assert report["stages"] == [(0, [0, 1])]
+    assert report["parameters"]["held"] == pytest.approx(report["parameters"]["stages"] / 4, rel=0.01)
+    for kind in ("all-gather", "reduce-scatter"):
+        count, _, _ = report["comm"][("tp", kind)]
+        # 2 micro-batches x (4 per block, forward and backward, + token and position embeddings)
+        assert count == 2 * (4 * 2 + 2)
+
+
 def test_a_config_that_cannot_fit_says_by_how_much_and_exits_1():
     proc = subprocess.run([sys.executable, "train.py", "--config", "llama3_8b", "--dry-run", "--world-size", "1",
                            "--gpu", "h100-80gb", "--training.seq_len=512", "--training.global_batch_size=1",

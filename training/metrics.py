@@ -39,6 +39,7 @@ def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, d
 PEAK_BF16_FLOPS: dict[str, float] = {
     "H100": 989e12,
     "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,  # 1,671 with 2:4 sparsity
     "H200": 989e12,
     "A100": 312e12,
 }

@@ -10,15 +10,15 @@ output columns gives every TP rank whole heads.
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from models.common import build_from_flavor, cut_stage
 from parallel.init import init_param_, materialize, trunc_normal_
 
 
@@ -119,14 +119,7 @@ class GPT2(nn.Module):
 
     @classmethod
     def from_flavor(cls, flavor: str, *, meta: bool = False, **overrides) -> "GPT2":
-        if flavor not in FLAVORS:
-            raise ValueError(f"unknown GPT-2 flavor {flavor!r}; accepted: {', '.join(FLAVORS)}")
-        cfg = replace(FLAVORS[flavor], **overrides)
-        with torch.device("meta" if meta else "cpu"):
-            model = cls(cfg)
-        if not meta:
-            model.init_weights()
-        return model
+        return build_from_flavor(cls, FLAVORS, "GPT-2", flavor, meta=meta, overrides=overrides)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.wte is not None:
@@ -168,15 +161,8 @@ class GPT2(nn.Module):
         """A copy with only ``layer_ids``, the embeddings if ``first``, the final norm and
         output if ``last``. Call it on the meta model. With tied weights the last stage's
         ``lm_head.weight`` becomes its own copy (initialized like ``wte.weight``)."""
-        stage = copy.deepcopy(self)
-        keep = {str(i) for i in layer_ids}
-        for name in [n for n in stage.layers if n not in keep]:
-            del stage.layers[name]
-        if not first:
-            stage.wte = stage.wpe = None
-        if not last:
-            stage.ln_f = stage.lm_head = None
-        return stage
+        drop = ([] if first else ["wte", "wpe"]) + ([] if last else ["ln_f", "lm_head"])
+        return cut_stage(self, layer_ids, drop=drop)
 
     def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
         from models.gpt2.tp_plan import gpt2_tp_plan

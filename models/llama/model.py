@@ -8,15 +8,15 @@ on full weights or on TP shards.
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from models.common import build_from_flavor, cut_stage
 from parallel.init import init_param_, materialize, trunc_normal_
 
 
@@ -166,14 +166,7 @@ class Llama(nn.Module):
     def from_flavor(cls, flavor: str, *, meta: bool = False, **overrides) -> "Llama":
         """Build a published shape. ``meta=True`` allocates nothing: parallelize first,
         then `init_weights` materializes only this rank's shards."""
-        if flavor not in FLAVORS:
-            raise ValueError(f"unknown Llama flavor {flavor!r}; accepted: {', '.join(FLAVORS)}")
-        cfg = replace(FLAVORS[flavor], **overrides)
-        with torch.device("meta" if meta else "cpu"):
-            model = cls(cfg)
-        if not meta:
-            model.init_weights()
-        return model
+        return build_from_flavor(cls, FLAVORS, "Llama", flavor, meta=meta, overrides=overrides)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` are hidden states [b, s, dim] on pipeline stages after the first."""
@@ -203,15 +196,8 @@ class Llama(nn.Module):
         norm and output if ``last``). Call it on the meta model, where copying is free.
         With tied embeddings the last stage's ``output.weight`` becomes its own copy,
         kept equal to the first stage's by parallel.tied."""
-        stage = copy.deepcopy(self)
-        keep = {str(i) for i in layer_ids}
-        for name in [n for n in stage.layers if n not in keep]:
-            del stage.layers[name]
-        if not first:
-            stage.tok_embeddings = None
-        if not last:
-            stage.norm = stage.output = None
-        return stage
+        drop = ([] if first else ["tok_embeddings"]) + ([] if last else ["norm", "output"])
+        return cut_stage(self, layer_ids, drop=drop)
 
     def transformer_blocks(self) -> nn.ModuleDict:
         """The repeated blocks (activation checkpointing and compile wrap these)."""
