@@ -146,6 +146,17 @@ def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
     return None
 
 
+def with_one_rank_dp(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` with a "dp_shard" dimension of size 1 in its place in the order (the same
+    mesh if it has one): what FSDP needs to run where there is no data parallelism."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_shard" in names:
+        return mesh
+    last = names[-1]
+    shape, new = ((1, mesh.size(-1)), ("dp_shard", last)) if last == "tp" else ((mesh.size(-1), 1), (last, "dp_shard"))
+    return mesh._unflatten(len(names) - 1, shape, new)
+
+
 def mesh_coordinate(mesh: DeviceMesh, name: str) -> tuple[int, int]:
     """(this rank's index, degree) along ``name``; (0, 1) for an absent dimension."""
     sub = submesh(mesh, name)

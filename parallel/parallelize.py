@@ -5,7 +5,6 @@ data-parallel mesh)."""
 
 from __future__ import annotations
 
-import warnings
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -14,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from parallel.activation_checkpoint import apply_ac, apply_compile
 from parallel.async_tp import async_tp_unavailable, enable_async_tp
 from parallel.fsdp import apply_fsdp, fsdp_mesh, resolve_strategy
-from parallel.mesh import check_tp_fits, submesh
+from parallel.mesh import check_tp_fits, submesh, with_one_rank_dp
 from parallel.tensor_parallel import apply_tp
 from parallel.wrap import modules_to_wrap
 
@@ -49,6 +48,11 @@ def parallelize(
     ``async_tp`` overlaps TP collectives with matmuls inside the compiled blocks (CUDA,
     ``compile=True`` and a tp dimension; see parallel/async_tp.py).
     """
+    if (mixed_precision is not None or cpu_offload) and submesh(mesh, "dp") is None:
+        # No data parallelism (one process, or TP / PP alone): FSDP over a data-parallel
+        # dimension of one rank communicates nothing, but it is what keeps fp32 master
+        # weights while computing in bf16 (or offloads to the CPU).
+        mesh = with_one_rank_dp(mesh)
     tp_mesh = submesh(mesh, "tp")
     if async_tp:
         reason = async_tp_unavailable(mesh.device_type, compile=compile,
@@ -73,14 +77,9 @@ def parallelize(
 
     sharding_strategy = resolve_strategy(sharding_strategy, mesh)
     dp_mesh = fsdp_mesh(mesh, sharding_strategy)
-    if dp_mesh is None and mesh.size() == 1 and (mixed_precision is not None or cpu_offload):
-        # One process: FSDP over the one-rank mesh communicates nothing, but it is what
-        # keeps fp32 master weights while computing in bf16 (or offloads to the CPU).
-        dp_mesh = mesh
+    if dp_mesh is None and (mixed_precision is not None or cpu_offload):
+        dp_mesh = mesh["dp_shard"]  # the one-rank dimension made above
     if dp_mesh is None:
-        if mixed_precision is not None or cpu_offload:
-            warnings.warn("no data parallelism in this layout, so FSDP is not applied and "
-                          "mixed_precision / cpu_offload have no effect", stacklevel=2)
         return model
     if fsdp_units is None:
         if block_classes is not None or min_num_params is not None:

@@ -43,6 +43,22 @@ def test_degree_one_dimensions_are_left_out_of_the_mesh(fake_world):
     assert submesh(mesh, "dp").size() == 8
 
 
+@pytest.mark.parametrize("dims, names", [
+    (dict(tp=4, dp_shard=1), ("dp_shard", "tp")),
+    (dict(pp=2, tp=2, dp_shard=1), ("pp", "dp_shard", "tp")),
+    (dict(pp=4, dp_shard=1), ("pp", "dp_shard")),
+])
+def test_a_one_rank_dp_dimension_goes_in_its_place_for_fsdp_without_data_parallelism(fake_world, dims, names):
+    from parallel.mesh import with_one_rank_dp
+
+    fake_world(4, rank=1)
+    mesh = ParallelDims(**dims).build_mesh("cpu")
+    got = with_one_rank_dp(mesh)
+    assert got.mesh_dim_names == names and got["dp_shard"].size() == 1
+    assert got.mesh.flatten().tolist() == mesh.mesh.flatten().tolist()  # the same ranks, in order
+    assert with_one_rank_dp(got) is got
+
+
 def test_dp_shard_minus_one_is_inferred_from_world_size():
     assert ParallelDims(dp_shard=-1, tp=8, world_size=512).dp_shard == 64
     dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, pp=2, world_size=32)
