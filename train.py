@@ -133,9 +133,8 @@ def parallelize_model(model: nn.Module, mesh, cfg: JobConfig) -> nn.Module:
     mixed = None
     if (t.mixed_precision_param, t.mixed_precision_reduce) != ("float32", "float32"):
         mixed = mixed_precision_policy(t.mixed_precision_param, t.mixed_precision_reduce)
-    if cfg.float8.enable:  # first: TP and FSDP then shard the float8 layers' weights as usual
+    if cfg.float8.enable:  # first: FSDP then shards the float8 layers' weights as usual
         apply_float8(model)  # every Linear but the output head
-    compile_loss(cfg.compile.loss)
     return parallelize(model, mesh, sharding_strategy=p.sharding_strategy, mixed_precision=mixed,
                        cpu_offload=p.cpu_offload, sequence_parallel=p.sequence_parallel,
                        loss_parallel=p.loss_parallel,
@@ -177,12 +176,15 @@ def main(argv: list[str] | None = None) -> None:
     rank = dist.get_rank()
     num_params = sum(p.numel() for p in model.parameters())  # the whole model, still on meta
     num_embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    # A tied embedding is also the output matmul: its FLOPs count (N counts it once).
+    num_embedding -= sum(model.get_parameter(names[0]).numel() for names in model.tied_weights())
     pp_mesh = submesh(mesh, "pp")
     # Under a pipeline this rank keeps only its stages (cut from the meta model: nothing
     # else is ever allocated); each is parallelized over the rest of the mesh.
     parts = [(0, model)] if pp_mesh is None else split_into_stages(
         model, pp_mesh, stage_layers, style=SCHEDULES[cfg.parallelism.pp_schedule][1])
     model_parts = [parallelize_model(part, mesh, cfg) for _, part in parts]
+    compile_loss(cfg.compile.loss)  # process-wide: every train step's cross-entropy
     for part in model_parts:
         part.init_weights(seed=cfg.training.seed, device=device)
     # A weight tied across stages (GPT-2's embedding and output) has a copy on each end.
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                                        keep_latest_k=c.keep_latest_k, async_save=c.async_save,
                                        last_save_model_only=c.last_save_model_only,
                                        export_dtype=getattr(torch, c.export_dtype),
-                                       if_config_differs=c.if_config_differs)
+                                       if_config_differs=c.if_config_differs, tied=model.tied_weights())
         start_step, data_state = checkpoint.resume(c.load_step)
         if data_state:
             data.load_state_dict(data_state)  # refuses a different dataset / seq_len / batch

@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from models.llama import Llama
-from parallel import AC_MODES, apply_fsdp, mixed_precision_policy, parallelize, submesh
+from parallel import AC_MODES, mixed_precision_policy, parallelize, submesh
 from parallel.float8 import apply_float8
 from training.metrics import (GIB, TrackedActivations, device_peak_flops, flops_per_token, memory_stats,
                               reset_peak_rss)
@@ -96,14 +96,11 @@ def build_meshtrain(args, mesh, device) -> tuple[nn.Module, object, Callable]:
     if args.float8:
         apply_float8(model)
     compile_loss(args.compile_loss)
-    mp = mixed_precision_policy(args.dtype, "float32")
-    one_rank = mesh.size() == 1
-    # parallelize leaves degree-1 dimensions out, so on one rank it would skip FSDP and its
-    # mixed precision with it; apply_fsdp over the one-rank mesh puts them back.
-    model = parallelize(model, mesh, sharding_strategy="FULL_SHARD", mixed_precision=None if one_rank else mp,
+    # With a mixed-precision policy parallelize applies FSDP even on one rank, like the
+    # baseline's fully_shard, so both variants run the same sharding machinery.
+    model = parallelize(model, mesh, sharding_strategy="FULL_SHARD",
+                        mixed_precision=mixed_precision_policy(args.dtype, "float32"),
                         activation_checkpoint=args.ac, ac_every=args.ac_every, compile=args.compile)
-    if one_rank:
-        apply_fsdp(model, mesh, model.fsdp_units(), strategy="FULL_SHARD", mp_policy=mp)
     model.init_weights(seed=0, device=device)
     optimizer = build_optimizer(model, lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     dp_mesh = submesh(mesh, "dp")

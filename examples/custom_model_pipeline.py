@@ -12,6 +12,7 @@ after that each stage is parallelized like any model (TP plan + block class), an
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
@@ -57,8 +58,8 @@ def main():
     model = TinyLM().to(device)
 
     layers = split_layers(len(model.blocks), args.pp)  # [[0, 1], [2, 3]]
-    parts = split_into_stages(model, pp_mesh, layers,
-                              make_stage=lambda ids, first, last: Stage(model, ids, first=first, last=last))
+    parts = split_into_stages(model, pp_mesh, layers, make_stage=partial(Stage, model))
+    del model  # the stages hold what this rank runs; the other blocks can go
     for _, stage in parts:  # "auto" = SHARD_GRAD_OP under a pipeline: one all-gather per step
         parallelize(stage, mesh, sharding_strategy="auto", tp_plan=TP_PLAN, block_classes=(Block,))
     stages = [stage for _, stage in parts]

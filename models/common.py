@@ -1,5 +1,5 @@
 """What every model family in models/ does the same way: build a named shape (on meta or
-initialized), and cut a pipeline stage out of the whole model."""
+initialized), list its FSDP units, and cut a pipeline stage out of the whole model."""
 
 from __future__ import annotations
 
@@ -33,3 +33,17 @@ def cut_stage(model: nn.Module, layer_ids: list[int], *, drop: list[str]) -> nn.
     for name in drop:
         setattr(stage, name, None)
     return stage
+
+
+def fsdp_units(blocks, embeddings: list, head: list, *, tied: bool) -> list:
+    """FSDP units in forward order: the embeddings, each block, the head (final norm and
+    output, gathered together: they run back to back). Modules that are None (absent on
+    this pipeline stage) are skipped. Tied embeddings and head on the same stage form one
+    unit: a weight can only belong to one."""
+    embeddings = [m for m in embeddings if m is not None]
+    head = [m for m in head if m is not None]
+    units = list(blocks)
+    if tied and embeddings and head:
+        return units + [embeddings + head]
+    first = [embeddings[0] if len(embeddings) == 1 else embeddings] if embeddings else []
+    return first + units + ([head] if head else [])

@@ -33,7 +33,7 @@ def _ops(*names: str) -> frozenset:
 # recomputed all-gather would cross the network again) -- and recomputes everything
 # cheap and element-wise in between: norms, rotary embedding, SiLU, residual adds.
 SAVED_OPS = _ops(
-    "aten.mm", "aten.addmm", "aten.bmm",
+    "aten.mm", "aten.addmm", "aten.bmm", "aten._scaled_mm",  # _scaled_mm: float8 matmuls
     "aten._scaled_dot_product_flash_attention",
     "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention",

@@ -56,7 +56,7 @@ class ModelShape:
     layer_split: int         # per block: 2-D weights, split by TP
     layer_replicated: int    # per block: norm weights, replicated over TP
     embedding: int           # tok_embeddings (vocab rows split by TP)
-    head_split: int          # output projection (0 when tied to the embedding)
+    head_split: int          # output projection (the embedding's weight too when tied)
     head_replicated: int     # final norm
     tied: bool
     tp_divisible: dict = field(default_factory=dict, compare=False)
@@ -76,7 +76,7 @@ class ModelShape:
                    kv_dim=c.n_kv_heads * c.head_dim, ffn_hidden=c.ffn_hidden, vocab=c.vocab_size,
                    layer_split=count(m.layers["0"], 2), layer_replicated=count(m.layers["0"], 1),
                    embedding=m.tok_embeddings.weight.numel(),
-                   head_split=0 if c.tie_embeddings else m.output.weight.numel(),
+                   head_split=m.output.weight.numel(),
                    head_replicated=m.norm.weight.numel(), tied=c.tie_embeddings,
                    tp_divisible=m.tp_divisible())
 
@@ -86,7 +86,8 @@ class ModelShape:
 
     @property
     def n_params(self) -> int:
-        return self.n_layers * self.layer_params + self.embedding + self.head_split + self.head_replicated
+        head = 0 if self.tied else self.head_split  # a tied output is the embedding's weight
+        return self.n_layers * self.layer_params + self.embedding + head + self.head_replicated
 
 
 @dataclass(frozen=True)
@@ -210,8 +211,8 @@ def rank_local_params(m: ModelShape, share: RankShare, tp: int) -> float:
     n = share.layers * (m.layer_split / tp + m.layer_replicated)
     if share.first:
         n += m.embedding / tp
-    if share.last:
-        n += m.head_split / tp + m.head_replicated
+    if share.last:  # tied: the last stage holds its own copy, unless it is also the first
+        n += (0 if m.tied and share.first else m.head_split / tp) + m.head_replicated
     return n
 
 

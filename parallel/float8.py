@@ -4,7 +4,7 @@
 casts its input, weight and output gradient to float8 with dynamic per-tensor scales for
 the three matmuls of forward and backward; the weights themselves (and FSDP's fp32 master
 copies) stay in high precision, so nothing else in the trainer changes. Convert before
-TP and FSDP, which then shard the converted modules' weights as usual.
+FSDP, which then shards the converted modules' weights as usual (TP is refused for now).
 
 The output projection is left in high precision, as float8 recipes usually do: its
 logits go straight into the loss (and a tied one shares its weight with the embedding,
@@ -45,7 +45,7 @@ def apply_float8(model: nn.Module, skip: tuple[str, ...] = ("output", "lm_head")
     (module names; the defaults are the output heads of models/), those whose weight is
     tied to another module, and those with a size not divisible by 16. Works on a
     meta-device model. Returns the names of the converted layers."""
-    reason = float8_unavailable("cuda")
+    reason = float8_unavailable("cuda" if torch.cuda.is_available() else "cpu")
     if reason:
         raise ValueError(f"float8 training: {reason}")
     from torchao.float8 import convert_to_float8_training

@@ -152,6 +152,8 @@ def with_one_rank_dp(mesh: DeviceMesh) -> DeviceMesh:
     names = mesh.mesh_dim_names or ()
     if "dp_shard" in names:
         return mesh
+    if not names:
+        raise ValueError(f"{mesh} has no dimension names; build it with ParallelDims.build_mesh")
     last = names[-1]
     shape, new = ((1, mesh.size(-1)), ("dp_shard", last)) if last == "tp" else ((mesh.size(-1), 1), (last, "dp_shard"))
     return mesh._unflatten(len(names) - 1, shape, new)

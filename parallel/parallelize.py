@@ -36,7 +36,8 @@ def parallelize(
     compile: bool = False,
     async_tp: bool = False,
 ) -> nn.Module:
-    """Apply TP (where the mesh has a tp dimension) and FSDP (where it has data parallelism).
+    """Apply TP (where the mesh has a tp dimension) and FSDP (where it has data parallelism,
+    or where mixed precision / CPU offload need it: then over a one-rank dimension).
     ``sharding_strategy="auto"`` chooses by the mesh (see `resolve_strategy`). For a
     pipeline, call it on each stage module with the whole mesh.
 

@@ -75,13 +75,11 @@ def check_layout(job: Job, lay: Layout) -> None:
     ParallelDims(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, pp=lay.pp,
                  world_size=job.world)
     check_tp_fits(lay.tp, job.model.tp_divisible, seq_len=job.seq_len, gpus_per_node=job.gpus_per_node)
-    if job.model.tied and (lay.tp > 1 or lay.pp > 1):  # Llama.tp_plan and pipeline_stage refuse
-        raise LayoutError("tied embeddings allow neither TP nor PP")
     if job.global_batch % lay.dp:
         raise LayoutError(f"global batch {job.global_batch} is not divisible by dp = {lay.dp}")
     mesh = _Degrees({"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp})
     if fsdp_mesh(mesh, lay.strategy) is None:
-        raise LayoutError("no data-parallel sharding: FSDP, and with it bf16 compute, would not be applied")
+        raise LayoutError("no data-parallel sharding: model states would be held whole on every GPU")
 
 
 def candidates(job: Job):

@@ -38,11 +38,13 @@ class TiedWeights:
     def sum_gradients(self) -> None:
         for params, group in zip(self.copies, self.groups):
             for p in params:
+                if p.grad is None:  # unused this step: still take part in the sum
+                    p.grad = torch.zeros_like(p)
                 # Without FSDP a TP gradient may come out in another placement than its
                 # weight's (an embedding's is replicated); the copies must agree block by block.
                 if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            grads = [_local(p.grad) for p in params if p.grad is not None]
+            grads = [_local(p.grad) for p in params]
             if not grads:
                 continue
             total = grads[0].clone() if len(grads) > 1 else grads[0]
@@ -60,6 +62,11 @@ def tie_across_stages(parts: list[nn.Module], mesh: DeviceMesh, pp_mesh: DeviceM
     """Collective over the whole world (it creates process groups): call it on every rank
     after the stages are parallelized. ``ties``: groups of parameter names that are one
     weight, the first counted in the gradient norm (``model.tied_weights()``)."""
+    if mesh.size() != dist.get_world_size() or (mesh.mesh_dim_names or ())[:1] != ("pp",):
+        raise ValueError("tie_across_stages needs the whole world's mesh with pp as its first "
+                         f"dimension (got {mesh})")
+    if not ties:
+        return TiedWeights([], [], [])
     named = {canonical_name(n): p for part in parts for n, p in part.named_parameters()}
     mine = [[named[n] for n in names if n in named] for names in ties]
     holding = [bool(params) for params in mine]
@@ -74,6 +81,9 @@ def tie_across_stages(parts: list[nn.Module], mesh: DeviceMesh, pp_mesh: DeviceM
         holders = [r for r in range(pp_mesh.size()) if everyone[r][t]]
         if len(holders) < 2:
             groups.append(None)
+            continue
+        if len(holders) == pp_mesh.size():  # every pipeline rank (pp = 2): the pp group is it
+            groups.append(pp_mesh.get_group())
             continue
         mine_group, _ = dist.new_subgroups_by_enumeration([[col[r] for r in holders] for col in columns])
         groups.append(mine_group if pp_mesh.get_local_rank() in holders else None)

@@ -92,7 +92,7 @@ def test_gpt2_with_tied_embeddings_trains_in_3d_resumes_in_one_process_and_expor
     # copies on the first and last stage, whose gradients are summed every step.
     one_proc = ("--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.tp=1")
     flat = "--lr_scheduler.decay_type=constant"  # the lr of steps 1-6 does not depend on the run's length
-    one = _losses(tmp_path, "gpt2_single", 1, *one_proc, flat, "--training.steps=8", config="gpt2_debug_3d")
+    one = _losses(tmp_path, "gpt2_single", 1, *one_proc, flat, "--training.steps=10", config="gpt2_debug_3d")
     three_d = _losses(tmp_path, "gpt2_3d", 8, flat, "--checkpoint.enable=true", config="gpt2_debug_3d")
     assert one[-1] < one[0] - 0.5, one
     torch.testing.assert_close(three_d, one[:6], rtol=1e-4, atol=0)
@@ -101,7 +101,12 @@ def test_gpt2_with_tied_embeddings_trains_in_3d_resumes_in_one_process_and_expor
     # resumes as one tied weight in one process, and steps 7-8 continue the same run.
     resumed = _losses(tmp_path, "gpt2_3d", 1, *one_proc, flat, "--checkpoint.enable=true", "--training.steps=8",
                       config="gpt2_debug_3d")
-    torch.testing.assert_close(resumed[-2:], one[-2:], rtol=1e-4, atol=0)
+    torch.testing.assert_close(resumed[-2:], one[6:8], rtol=1e-4, atol=0)
+    # And back: that one-process step-8 checkpoint (one weight, its optimizer state under
+    # wte.weight only) resumes in 3-D, where the last stage's copy reads wte's state.
+    back = _losses(tmp_path, "gpt2_3d", 8, flat, "--checkpoint.enable=true", "--training.steps=10",
+                   config="gpt2_debug_3d")
+    torch.testing.assert_close(back[-2:], one[8:10], rtol=1e-4, atol=0)
 
     from models.gpt2 import GPT2
     from training.export import export
@@ -109,7 +114,7 @@ def test_gpt2_with_tied_embeddings_trains_in_3d_resumes_in_one_process_and_expor
     step6 = tmp_path / "gpt2_3d" / "checkpoint" / "step-00000006"
     export(step6, tmp_path / "gpt2.pt", "torch")
     state = torch.load(tmp_path / "gpt2.pt")
-    assert torch.equal(state["wte.weight"], state["lm_head.weight"])
+    assert state["wte.weight"].data_ptr() == state["lm_head.weight"].data_ptr()  # one tensor, stored once
     model = GPT2.from_flavor("debug", vocab_size=state["wte.weight"].shape[0])
     model.load_state_dict(state)  # strict: every name, nothing extra
     with pytest.raises(ValueError, match="Hugging Face export is for Llama"):

@@ -131,8 +131,11 @@ class CheckpointManager:
     def __init__(self, folder: Path, *, parts: list[nn.Module], optimizers, schedulers, model_config,
                  job_config_text: str, interval: int, keep_latest_k: int = 0, async_save: bool = False,
                  last_save_model_only: bool = False, export_dtype: torch.dtype = torch.float32,
-                 if_config_differs: str = "refuse"):
+                 if_config_differs: str = "refuse", tied: list[tuple[str, ...]] = ()):
         self.folder = Path(folder)
+        # Tied weights (model.tied_weights()): a pipeline stage may hold a copy under the
+        # second name, whose optimizer state a one-stage run never wrote; read the first's.
+        self.tied_source = {copy: names[0] for names in tied for copy in names[1:]}
         self.parts, self.optimizers, self.schedulers = parts, optimizers, schedulers
         self.model_config = json.loads(json.dumps(asdict(model_config)))  # tuples -> lists, as in the file
         self.job_config_text = job_config_text
@@ -187,14 +190,21 @@ class CheckpointManager:
                     f"[checkpoint] if_config_differs = \"resume\" to continue anyway, or point "
                     f"[job] output_dir / name at a new folder")
         state = {"model": model_state(self.parts)}
+        opt, copies = {}, []
         if not meta.get("model_only"):
-            state["optimizer"] = optimizer_state(self.parts, self.optimizers)
+            opt = optimizer_state(self.parts, self.optimizers)
+            state["optimizer"], copies = self._read_tied_from_source(opt)
         if meta.get("rng"):
             state["rng"] = rng_state()  # filled in place, then installed
         try:
             dcp.load(state, checkpoint_id=str(path))
         except Exception as err:  # DCP reports a bad file deep in its planner
             raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
+        with torch.no_grad():
+            for copy, source in copies:  # this rank holds both: the copy takes the source's values
+                copy.copy_(opt[source])
+        if "optimizer" in state:
+            state["optimizer"] = opt  # DCP loaded in place: every key as this run names it
         for part in self.parts:
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
         if "rng" in state:
@@ -206,6 +216,20 @@ class CheckpointManager:
                 set_optimizer_state_dict(part, opt, full, options=_FLAT)
             self.schedulers.load_state_dict(meta["lr_scheduler"])
         return meta["step"], meta.get("dataloader", {})
+
+    def _read_tied_from_source(self, opt: dict) -> tuple[dict, list]:
+        """The optimizer state to request from DCP, with a tied copy's entries
+        ("state.lm_head.weight.exp_avg") read under the first name's key, which holds the
+        same values; and the (copy, source key) pairs for a rank that holds both."""
+        request, copies = {}, []
+        for key, value in opt.items():
+            name = next((n for n in self.tied_source if key.startswith(f"state.{n}.")), None)
+            source = key if name is None else f"state.{self.tied_source[name]}." + key[len(f"state.{name}."):]
+            if source == key or source not in opt:
+                request[source] = value
+            else:
+                copies.append((value, source))
+        return request, copies
 
     # ---------------------------------------------------------------- save
 

@@ -74,7 +74,8 @@ class ModelSection:
                       choices=tuple(dict.fromkeys(LLAMA_FLAVORS + GPT2_FLAVORS)))
     vocab_size: int = opt(0, "embedding rows; 0: take it from the tokenizer", min=0,
                           max=2**31)  # token ids are int32
-    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0, lt=math.inf)
+    norm_eps: float = opt(1e-5, "epsilon of the norms (RMSNorm in Llama, LayerNorm in GPT-2)", gt=0,
+                          lt=math.inf)
 
 
 @dataclass

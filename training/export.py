@@ -27,8 +27,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from models.gpt2.model import GPT2Config
-from models.llama.model import LlamaConfig
+from models.gpt2.model import GPT2, GPT2Config
+from models.llama.model import Llama, LlamaConfig
+from training.config import tomllib
 from parallel.init import canonical_name
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -46,16 +47,16 @@ class _MetadataOnceReader(FileSystemReader):
         return self._metadata
 
 
-CONFIGS = {"llama": LlamaConfig, "gpt2": GPT2Config}
+MODELS = {"llama": (LlamaConfig, Llama), "gpt2": (GPT2Config, GPT2)}
 
 
 def read_family(checkpoint_dir: str | Path) -> str:
-    """[model] name of the run that wrote the checkpoint (llama when it does not say)."""
+    """[model] name of the run that wrote the checkpoint (its job_config.toml); llama for
+    a checkpoint without one."""
     path = Path(checkpoint_dir) / "job_config.toml"
     if not path.is_file():
         return "llama"
-    name = re.search(r'^\[model\][^\[]*?^name = "([^"]+)"', path.read_text(), flags=re.M | re.S)
-    return name.group(1) if name else "llama"
+    return tomllib.loads(path.read_text()).get("model", {}).get("name", "llama")
 
 
 def read_model_config(checkpoint_dir: str | Path) -> LlamaConfig | GPT2Config:
@@ -63,9 +64,9 @@ def read_model_config(checkpoint_dir: str | Path) -> LlamaConfig | GPT2Config:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the checkpoint does not say which model it holds")
     family = read_family(checkpoint_dir)
-    if family not in CONFIGS:
-        raise ValueError(f"{path}: unknown model family {family!r}; known: {', '.join(CONFIGS)}")
-    cls = CONFIGS[family]
+    if family not in MODELS:
+        raise ValueError(f"{path}: unknown model family {family!r}; known: {', '.join(MODELS)}")
+    cls = MODELS[family][0]
     fields = json.loads(path.read_text())
     known = {f.name for f in dataclasses.fields(cls)}
     if unknown := sorted(set(fields) - known):
@@ -117,16 +118,18 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
         from models.llama.hf import save_hf
 
         if not isinstance(cfg, LlamaConfig):
-            raise ValueError(f"{checkpoint_dir} holds a {read_family(checkpoint_dir)} model; Hugging Face "
+            raise ValueError(f"{checkpoint_dir} holds a {type(cfg).__name__} model; Hugging Face "
                              "export is for Llama checkpoints. Use --format torch")
 
         save_hf(tensors, cfg, out)
     else:
         state = dict(tensors)
-        for embedding, output in (("tok_embeddings.weight", "output.weight"), ("wte.weight", "lm_head.weight")):
-            if cfg.tie_embeddings and embedding in state:
-                # Tied: one tensor under both names (stored once), as the model's state_dict has it.
-                state.setdefault(output, state[embedding])
+        with torch.device("meta"):  # only to ask which names are one weight
+            ties = MODELS[read_family(checkpoint_dir)][1](cfg).tied_weights()
+        for names in ties:
+            # One tensor under every name (stored once), as the model's state_dict has it.
+            for name in names[1:]:
+                state[name] = state[names[0]]
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, out)
 

@@ -22,7 +22,8 @@ def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, d
 
     6 per weight: 2 for the forward multiply-add, 4 for the two backward matmuls (input
     and weight gradients). The embedding table is a lookup, not a matmul, so it is left
-    out; an untied output projection is a matmul and stays in N. 12 * L * h * s is the
+    out; the output projection is a matmul and stays in N (a tied one too: pass only the
+    embeddings that are lookups alone). 12 * L * h * s is the
     attention-score (QK^T) and attention-value (PV) matmuls, 2 * 2 * h * s forward times 3
     for forward + backward, counted over the full s x s matrix *without* halving for the
     causal mask -- the convention MFU numbers are usually quoted in.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from models.common import build_from_flavor, cut_stage
+from models.common import build_from_flavor, cut_stage, fsdp_units
 from parallel.init import init_param_, materialize, trunc_normal_
 
 
@@ -140,14 +140,11 @@ class GPT2(nn.Module):
     # ---- what parallel/ needs to know about this model ----
 
     def fsdp_units(self) -> list[nn.Module | list[nn.Module]]:
-        """Each block alone; embeddings and head as one unit when both are here (the tied
-        weight must live in exactly one unit), else each end on its own stage."""
-        units: list = list(self.layers.values())
-        embed = [m for m in (self.wte, self.wpe) if m is not None]
-        head = [m for m in (self.ln_f, self.lm_head) if m is not None]
-        if embed and head:
-            return units + [embed + head]
-        return ([embed] if embed else []) + units + ([head] if head else [])
+        """Each block alone; token and position embeddings together, final norm and output
+        together, and the two as one unit when both are on this stage (the tied weight
+        must live in exactly one unit)."""
+        return fsdp_units(self.layers.values(), [self.wte, self.wpe], [self.ln_f, self.lm_head],
+                          tied=self.cfg.tie_embeddings)
 
     def transformer_blocks(self) -> nn.ModuleDict:
         return self.layers

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from models.common import build_from_flavor, cut_stage
+from models.common import build_from_flavor, cut_stage, fsdp_units
 from parallel.init import init_param_, materialize, trunc_normal_
 
 
@@ -179,17 +179,10 @@ class Llama(nn.Module):
     # ---- what parallel/ needs to know about this model (and nothing more) ----
 
     def fsdp_units(self) -> list[nn.Module | list[nn.Module]]:
-        """FSDP groups, bottom-up: each block alone; norm and output gathered together
-        (they run back to back); embeddings alone. Tied weights share one group."""
-        head = [m for m in (self.norm, self.output) if m is not None]
-        units: list = list(self.layers.values())
-        if self.cfg.tie_embeddings and self.tok_embeddings is not None:
-            return units + [head + [self.tok_embeddings]]
-        if self.tok_embeddings is not None:
-            units.insert(0, self.tok_embeddings)
-        if head:
-            units.append(head)
-        return units
+        """FSDP groups: embeddings, each block alone, norm + output together (see
+        models.common.fsdp_units); tied embeddings and output share one group."""
+        return fsdp_units(self.layers.values(), [self.tok_embeddings], [self.norm, self.output],
+                          tied=self.cfg.tie_embeddings)
 
     def pipeline_stage(self, layer_ids: list[int], *, first: bool, last: bool) -> "Llama":
         """A copy holding only ``layer_ids`` (plus the embeddings if ``first``, the final
