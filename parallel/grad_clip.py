@@ -59,11 +59,17 @@ def clip_grad_norm_(parameters, max_norm: float, *, norm_type: float = 2.0,
     total = total if inf else total ** (1.0 / norm_type)
 
     if max_norm > 0:
-        by_mesh: dict[object, list[torch.Tensor]] = {}
-        for g in grads:  # foreach kernels need one mesh per call
-            by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-        for group in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on the local shards: every
+        # rank holds the same total, so scaling each shard scales the whole gradient.
+        # Local tensors also keep the multiply in place where a DTensor foreach op may
+        # not be (under fake tensors it allocates a copy of every gradient).
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in local:  # foreach kernels need one device per call (CPU offload: all on CPU)
+            by_device.setdefault(g.device, []).append(g)
+        for device, group in by_device.items():
+            torch._foreach_mul_(group, coef.to(device))
     return total
 
 
