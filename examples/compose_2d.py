@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from models.llama import Llama
-from parallel import ParallelDims, mesh_coordinate, parallelize, submesh
+from parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
 from training.step import train_step
 
 STEPS, BATCH, SEQ = 10, 8, 64  # BATCH is the global batch, split over data-parallel ranks
@@ -57,7 +57,7 @@ def main():
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.4f}", flush=True)
 
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from torch import nn
 from examples.compose_2d import BATCH, STEPS, fixed_batch
 from models.llama import Llama
 from parallel import (SCHEDULES, ParallelDims, build_schedule, mesh_coordinate, parallelize,
-                      split_into_stages, split_layers, submesh)
+                      shutdown_distributed, split_into_stages, split_layers, submesh)
 from training.step import pipeline_loss_fn, pipeline_train_step
 
 
@@ -63,7 +63,7 @@ def main():
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.4f}", flush=True)
 
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

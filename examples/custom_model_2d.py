@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from parallel import ParallelDims, mesh_coordinate, parallelize, submesh
+from parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
 from training.step import train_step
 
 STEPS, BATCH, SEQ, VOCAB = 10, 8, 64, 256
@@ -94,7 +94,7 @@ def main():
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss:.6f}", flush=True)
 
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

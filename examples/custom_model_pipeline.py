@@ -23,7 +23,7 @@ from torch import nn
 
 from examples.custom_model_2d import BATCH, STEPS, TP_PLAN, Block, TinyLM, fixed_tokens
 from parallel import (ParallelDims, build_schedule, mesh_coordinate, parallelize, split_into_stages,
-                      split_layers, submesh)
+                      shutdown_distributed, split_layers, submesh)
 from training.step import pipeline_loss_fn, pipeline_train_step
 
 
@@ -78,7 +78,7 @@ def main():
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss:.6f}", flush=True)
 
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

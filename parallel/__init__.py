@@ -24,6 +24,7 @@ from parallel.mesh import (
     default_device_type,
     init_distributed,
     mesh_coordinate,
+    shutdown_distributed,
     submesh,
 )
 from parallel.parallelize import parallelize
@@ -36,7 +37,7 @@ __all__ = [
     "AC_MODES", "apply_ac", "apply_compile", "DIM_NAMES", "STRATEGIES", "LayoutError", "ParallelDims", "apply_fsdp", "apply_tp",
     "check_tp_fits", "clip_grad_norm_", "default_device_type", "fsdp_mesh", "init_distributed",
     "init_param_", "loss_parallel_context", "materialize", "mesh_coordinate",
-    "mixed_precision_policy", "modules_to_wrap", "parallelize", "submesh",
+    "mixed_precision_policy", "modules_to_wrap", "parallelize", "shutdown_distributed", "submesh",
     "SCHEDULES", "build_schedule", "check_pipeline", "resolve_strategy", "split_into_stages", "split_layers",
     "stage_ids", "TiedWeights", "tie_across_stages",
 ]

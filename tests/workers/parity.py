@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from models.gpt2 import GPT2
 from models.llama import Llama
-from parallel import ParallelDims, parallelize, submesh
+from parallel import ParallelDims, parallelize, shutdown_distributed, submesh
 from training.step import train_step
 
 STEPS, BATCH, SEQ, LR, MAX_NORM = 8, 8, 32, 1e-3, 0.5
@@ -173,4 +173,4 @@ if __name__ == "__main__":
         result = run_pipeline(name) if name in PP_LAYOUTS else run(name)
         if dist.get_rank() == 0:
             torch.save(result, out / f"{name}.pt")
-    dist.destroy_process_group()
+    shutdown_distributed()

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.llama import Llama
-from parallel import ParallelDims, parallelize, submesh
+from parallel import ParallelDims, parallelize, shutdown_distributed, submesh
 from parallel.pipeline import build_schedule, split_into_stages, split_layers
 from training.step import pipeline_loss_fn, pipeline_train_step
 
@@ -75,4 +75,4 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as fh:
             json.dump([row for rank_rows in everyone[::2] for row in rank_rows], fh, indent=1)
-    dist.destroy_process_group()
+    shutdown_distributed()
