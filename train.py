@@ -26,7 +26,8 @@ from torch import nn
 from models.gpt2 import FLAVORS as GPT2_FLAVORS
 from models.gpt2 import GPT2
 from models.llama import Llama
-from parallel import LayoutError, ParallelDims, mesh_coordinate, mixed_precision_policy, parallelize, submesh
+from parallel import (LayoutError, ParallelDims, mesh_coordinate, mixed_precision_policy, parallelize,
+                      shutdown_distributed, submesh)
 from parallel.async_tp import async_tp_unavailable
 from parallel.float8 import apply_float8, float8_unavailable
 from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
@@ -55,6 +56,7 @@ def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     """The whole model on meta: no memory, whatever its size."""
     m, seq_len = cfg.model, cfg.training.seq_len
     vocab = m.vocab_size or -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    layers = {"n_layers": m.n_layers} if m.n_layers else {}
     if vocab < tokenizer_vocab:
         raise ConfigError(f"[model] vocab_size = {vocab} is smaller than the tokenizer's "
                           f"vocabulary ({tokenizer_vocab})")
@@ -64,9 +66,10 @@ def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
         if seq_len > rows:
             raise ConfigError(f"[training] seq_len = {seq_len} is longer than GPT-2 {m.flavor}'s {rows} "
                               f"learned positions; use seq_len <= {rows}")
-        return GPT2.from_flavor(m.flavor, meta=True, vocab_size=vocab, norm_eps=m.norm_eps)
+        return GPT2.from_flavor(m.flavor, meta=True, vocab_size=vocab, norm_eps=m.norm_eps, **layers)
     # Rotary tables are computed, not learned: size them for this run.
-    return Llama.from_flavor(m.flavor, meta=True, vocab_size=vocab, norm_eps=m.norm_eps, max_seq_len=seq_len)
+    return Llama.from_flavor(m.flavor, meta=True, vocab_size=vocab, norm_eps=m.norm_eps, max_seq_len=seq_len,
+                             **layers)
 
 
 def check_layout(cfg: JobConfig, dims: ParallelDims, model: nn.Module) -> list[list[int]] | None:
@@ -152,6 +155,10 @@ def resolve_device(cfg: JobConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Set before the first CUDA allocation: the caching allocator grows segments in place
+    # instead of keeping differently sized blocks apart, which otherwise reserves GiBs
+    # more than a step ever allocates (measured on an H100: 11 GiB over 43).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, args = parse_args(argv)
     if args.print_config:
         print(config_to_toml(cfg), end="")
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     if checkpoint is not None:
         checkpoint.close()
     metrics.close()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def stop_on_nonfinite(step, loss, grad_norm, skipped, checkpoint, data, t) -> None:

@@ -9,9 +9,12 @@
 Both variants train the same Llama shape on the same random tokens in the same process,
 one after the other, each for ``--warmup`` steps and then ``--steps`` timed ones:
 
-- baseline: `fully_shard` on each block and the root with a MixedPrecisionPolicy, eager,
-  torch's AdamW and clip_grad_norm_ -- no meshtrain code besides the model itself (its
-  class and its init, so that both variants start from the same weights).
+- baseline: what one writes by hand with torch alone, with the same options: torchao's
+  float8 swap, torch's checkpoint_wrapper (with a selective policy for "op"),
+  torch.compile per block, `fully_shard` on each block and the root with a
+  MixedPrecisionPolicy, `torch.optim.AdamW(fused=True)` and clip_grad_norm_ -- no
+  meshtrain code besides the model itself (its class and its init, so that both variants
+  start from the same weights).
 - meshtrain: `parallel.parallelize` with the chosen mixed precision, compile, activation
   checkpointing (and float8) options, and `training.step.train_step`.
 
@@ -27,6 +30,7 @@ many GPUs.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -45,9 +49,10 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.llama import Llama
-from parallel import AC_MODES, mixed_precision_policy, parallelize, submesh
+from parallel import AC_MODES, mixed_precision_policy, parallelize, shutdown_distributed, submesh
 from parallel.float8 import apply_float8
 from training.metrics import (GIB, TrackedActivations, device_peak_flops, flops_per_token, memory_stats,
                               reset_peak_rss)
@@ -76,8 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--ac", choices=AC_MODES, default="none", help="meshtrain: activation checkpointing")
     p.add_argument("--ac-every", type=int, default=2, help="--ac selective: one block in this many")
     p.add_argument("--float8", action="store_true", help="meshtrain: float8 Linear layers (torchao)")
-    p.add_argument("--baseline-ac", choices=("none", "full"), default="none",
-                   help="baseline: checkpoint every block (when it does not fit otherwise)")
+    p.add_argument("--baseline-ac", choices=AC_MODES, default=None,
+                   help="baseline: activation checkpointing (default: the same as --ac)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -113,12 +118,24 @@ def build_meshtrain(args, mesh, device) -> tuple[nn.Module, object, Callable]:
 
 
 def build_baseline(args, mesh, device) -> tuple[nn.Module, object, Callable]:
-    """What one writes by hand with torch alone: FSDP2 per block, fp32 master weights."""
+    """What one writes by hand with torch alone, with the same options as meshtrain's row:
+    torchao's float8 swap, torch's checkpoint_wrapper (with a selective policy for "op"),
+    torch.compile per block, FSDP2 per block with fp32 master weights, fused AdamW."""
     model = new_model(args)
+    if args.float8:
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "output")
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
-    for key, block in list(model.layers.items()):
-        if args.baseline_ac == "full":
-            block = model.layers[key] = checkpoint_wrapper(block)
+    ac = args.baseline_ac or args.ac
+    for i, (key, block) in enumerate(list(model.layers.items())):
+        if ac == "op":
+            block = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, _save_matmuls_and_attention))
+        elif ac == "full" or (ac == "selective" and i % args.ac_every == 0):
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if args.compile:
+            block = torch.compile(block, fullgraph=True)
+        model.layers[key] = block
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # The model's own init, so both variants train the same numbers: their loss columns
@@ -127,18 +144,33 @@ def build_baseline(args, mesh, device) -> tuple[nn.Module, object, Callable]:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95))
+                                  lr=3e-4, betas=(0.9, 0.95), fused=True)
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    if args.compile_loss:
+        loss_fn = torch.compile(loss_fn)
 
     def step(inputs, labels):
         optimizer.zero_grad(set_to_none=True)
-        logits = model(inputs.to(device))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(0, 1))
+        loss = loss_fn(model(inputs.to(device)), labels.to(device))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         return loss.item()  # train_step syncs on its loss too
 
     return model, optimizer, step
+
+
+_BASELINE_SAVED = [getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, name)]
+
+
+def _save_matmuls_and_attention(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _BASELINE_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def new_model(args) -> Llama:
@@ -150,8 +182,10 @@ def new_model(args) -> Llama:
 
 # ---------------------------------------------------------------- measuring
 
-def measure(name: str, build, args, mesh, device, flops: float, peak: float | None, compiled: bool) -> dict:
-    """Build one variant, warm it up, time ``args.steps`` steps; free it again."""
+def measure(name: str, build, args, mesh, device, flops: float, peak: float | None, compiled: bool,
+            profile_to: Path | None = None) -> dict:
+    """Build one variant, warm it up, time ``args.steps`` steps; free it again.
+    ``profile_to``: then profile two more steps and write the top ops there (appended)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, new_model(args).cfg.vocab_size, (args.batch, args.seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -164,22 +198,30 @@ def measure(name: str, build, args, mesh, device, flops: float, peak: float | No
         _sync(device)
         row["warmup_seconds"] = time.perf_counter() - start
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.reset_peak_memory_stats(device)  # the timed steps' peak: a steady-state step
         else:
             reset_peak_rss()
         start = time.perf_counter()
+        ends = []  # each step ends in a host sync (loss.item()), so these are step boundaries
         for _ in range(args.steps):
             loss = step(inputs, labels)
+            ends.append(time.perf_counter())
         _sync(device)
         elapsed = time.perf_counter() - start
+        row["step_times"] = [b - a for a, b in zip([start] + ends[:-1], ends)]
+        if profile_to is not None:
+            profile_steps(name, step, inputs, labels, device, profile_to)
     except torch.OutOfMemoryError:  # the other variant may still fit: report this one as such
         row["error"] = "out of memory"
+        model = optimizer = step = None
+        _free(device)
         return row
     tps = args.batch * args.seq_len * args.steps / elapsed  # per device: each rank runs its own batch
     row.update(tokens_per_second=tps, tflops=tps * flops / 1e12, mfu=tps * flops / peak if peak else None,
                final_loss=loss, step_seconds=elapsed / args.steps)
     if device.type == "cuda":
-        row.update(peak_memory_gib=torch.cuda.max_memory_allocated(device) / GIB, memory_kind="cuda max allocated")
+        row.update(peak_memory_gib=torch.cuda.max_memory_allocated(device) / GIB, memory_kind="cuda max allocated",
+                   peak_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB)
     else:
         row.update(peak_memory_gib=memory_stats(device)["peak_rss_gib"], memory_kind="peak RSS (process)",
                    activation_mib=None)
@@ -189,10 +231,29 @@ def measure(name: str, build, args, mesh, device, flops: float, peak: float | No
             row["activation_mib"] = kept.bytes() / 2**20
             del logits
     del model, optimizer, step
+    _free(device)
+    return row
+
+
+def profile_steps(name, step, inputs, labels, device, path: Path) -> None:
+    """Two steps under torch.profiler; the ops that took the most device (or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step(inputs, labels)
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"== {name}: two steps ==\n{prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)}\n")
+
+
+def _free(device):
     gc.collect()
+    torch._dynamo.reset()  # compiled graphs of this variant: the next one must not hit the recompile limit
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def _sync(device):
@@ -255,6 +316,7 @@ def _mib(value: float | None) -> str:
 
 
 def main(argv=None) -> dict:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as train.py does
     args = parse_args(argv)
     store_file = init_world(args.device)
     if args.device == "cpu":
@@ -288,7 +350,7 @@ def main(argv=None) -> dict:
         print(table(rows, device), flush=True)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
-    dist.destroy_process_group()
+    shutdown_distributed()
     if store_file and os.path.exists(store_file):
         os.remove(store_file)
     return result

@@ -76,6 +76,8 @@ class ModelSection:
                           max=2**31)  # token ids are int32
     norm_eps: float = opt(1e-5, "epsilon of the norms (RMSNorm in Llama, LayerNorm in GPT-2)", gt=0,
                           lt=math.inf)
+    n_layers: int = opt(0, "transformer blocks; 0: the flavor's (fewer: a flavor's blocks on fewer "
+                        "GPUs, for benchmarks and smoke tests)", min=0, max=10_000)
 
 
 @dataclass

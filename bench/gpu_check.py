@@ -1,0 +1,419 @@
+"""One command that proves the CUDA path and measures it, on one GPU, in under 9 minutes.
+
+    python -m bench.gpu_check --out results/             # one GPU: everything below
+    python -m bench.gpu_check --out /tmp/c --device cpu  # tiny shapes on CPU (the test suite runs this)
+
+1. environment: torch, CUDA, the GPU, and a measured 8192^3 bf16 matmul next to the
+   spec peak -- the roofline any MFU is bounded by in practice.
+2. checks: `train.py` under torchrun on one GPU (NCCL, world size 1) trains the debug
+   config and learns; a checkpoint copied out at step 10 resumes and continues bitwise;
+   bf16 parameters give losses within 1e-2 of fp32 (and not equal to them).
+3. throughput: Llama-3-8B-shaped blocks (as many as the dry run says fit), seq 8192, bf16
+   compute with fp32 master weights and reduction, AdamW: activation checkpointing
+   none / op / full x compile off / on, and float8 when torchao imports. Each row runs
+   meshtrain's path and, in the same process, a hand-written plain-torch loop with the
+   same options (bench/throughput.py's baseline), and reports the ratio.
+4. memory: the dry run's predicted peak for each eager row's exact config, next to
+   torch.cuda.max_memory_allocated / max_memory_reserved.
+
+Writes DIR/gpu_check.json, DIR/gpu_check.md and DIR/profile.txt (the top kernels of one
+compiled step). A row that would overrun ``--budget`` seconds is reported as skipped,
+never half-measured; ``--rows`` picks rows by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout, no install
+
+import torch  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from bench import throughput  # noqa: E402
+from parallel.mesh import shutdown_distributed
+from training.metrics import device_peak_flops, flops_per_token  # noqa: E402
+
+# name -> (activation checkpointing, compile, float8)
+ROWS = {
+    "eager ac=none": ("none", False, False),
+    "compile ac=none": ("none", True, False),
+    "compile ac=op": ("op", True, False),
+    "compile ac=full": ("full", True, False),
+    "eager ac=op": ("op", False, False),
+    "eager ac=full": ("full", False, False),
+    "float8 compile ac=op": ("op", True, True),
+}
+PROFILED_ROW = "compile ac=op"
+GIB = 2**30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json / .md / profile.txt")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--layers", type=int, default=0, help="8B-shaped blocks (default: as many as the dry run "
+                   "predicts fit in --fill of the GPU with ac none; 2 on CPU)")
+    p.add_argument("--fill", type=float, default=0.85, help="fraction of GPU memory the chosen layers may fill")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per variant (default 8; 2 on CPU)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps first, compilation among them "
+                   "(default 2; 1 on CPU)")
+    p.add_argument("--rows", default="", help="comma-separated row names or 'eager' / 'compile' "
+                   f"(default: all; eager rows on CPU). Rows: {'; '.join(ROWS)}")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: checks, throughput, memory")
+    p.add_argument("--budget", type=float, default=530.0, help="seconds for the whole command: rows that "
+                   "would not finish in time are skipped")
+    args = p.parse_args(argv)
+    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    args.device = "cuda" if gpu else "cpu"
+    args.steps = args.steps or (8 if gpu else 2)
+    args.warmup = args.warmup or (2 if gpu else 1)
+    args.skip = {s for s in args.skip.split(",") if s}
+    wanted = [r.strip() for r in args.rows.split(",") if r.strip()] or (["all"] if gpu else ["eager"])
+    args.rows = [name for name, (_, compiled, _) in ROWS.items()
+                 if "all" in wanted or name in wanted or ("compile" if compiled else "eager") in wanted]
+    unknown = [w for w in wanted if w not in ROWS and w not in ("all", "eager", "compile")]
+    if unknown:
+        p.error(f"--rows: unknown {unknown}; accepted: all, eager, compile, {', '.join(ROWS)}")
+    return args
+
+
+# ---------------------------------------------------------------- 1. environment
+
+def matmul_tflops(device: torch.device) -> float:
+    """Median of 20 timed n^3 matmuls on random data (never zeros: they run faster)."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    times = []
+    for i in range(23):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t = time.perf_counter()
+            a @ b
+            seconds = time.perf_counter() - t
+        if i >= 3:  # warm-up: cuBLAS handles, clocks
+            times.append(seconds)
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def environment(device: torch.device) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    spec = device_peak_flops(device)
+    smi = None
+    if device.type == "cuda" and shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    expandable = None
+    if device.type == "cuda":
+        torch.empty(1, device=device)  # the allocator exists from here on: did it read the setting?
+        expandable = any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot())
+    return {"nvidia_smi": smi, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "expandable_segments": expandable, "device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "date": datetime.date.today().isoformat(),
+            "memory_gib": torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None,
+            "spec_tflops": spec / 1e12 if spec else None, "matmul_tflops": matmul_tflops(device)}
+
+
+# ---------------------------------------------------------------- 2. the CUDA path through train.py
+
+def subprocess_env() -> dict:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "2"}
+
+
+def train_cmd(device_type: str, out: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+            str(ROOT / "train.py"), "--config", "debug_2d", f"--job.device={device_type}",
+            "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.steps=20", "--metrics.log_freq=1",
+            f"--job.output_dir={out}", f"--job.name={name}", *extra]
+
+
+def logged(out: Path, name: str, tag: str = "loss") -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / name / "tb"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars(tag)]
+
+
+def cuda_path_checks(device_type: str, out: Path) -> dict:
+    """Three train.py runs (fp32 with checkpoints at 10 and 20, bf16 beside it, then a run
+    resumed from a copy of the step-10 checkpoint), judged from their TensorBoard files."""
+    env = subprocess_env()
+    run = lambda cmd: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+    ckpt = ("--checkpoint.enable=true", "--checkpoint.interval=10")
+    procs = {"fp32": run(train_cmd(device_type, out, "fp32", *ckpt)),
+             "bf16": run(train_cmd(device_type, out, "bf16", "--training.mixed_precision_param=bfloat16"))}
+    result, logs = {}, {}
+    for name, proc in procs.items():
+        logs[name] = proc.communicate(timeout=300)[0]
+        if proc.returncode:
+            raise RuntimeError(f"train.py ({name}) exited {proc.returncode}:\n{logs[name][-3000:]}")
+    step10 = out / "fp32" / "checkpoint" / "step-00000010"
+    shutil.copytree(step10, out / "resumed" / "checkpoint" / step10.name)
+    proc = run(train_cmd(device_type, out, "resumed", *ckpt, "--checkpoint.if_config_differs=resume"))
+    logs["resumed"] = proc.communicate(timeout=300)[0]
+    if proc.returncode or "resumed at step 10" not in logs["resumed"]:
+        raise RuntimeError(f"train.py (resumed) did not resume at step 10:\n{logs['resumed'][-3000:]}")
+    fp32, bf16, resumed = (logged(out, n) for n in ("fp32", "bf16", "resumed"))
+    result["losses_fp32"], result["losses_bf16"], result["losses_resumed"] = fp32, bf16, resumed
+    result["learns"] = len(fp32) == 20 and sum(fp32[-3:]) / 3 < 0.8 * fp32[0]
+    norms, norms_resumed = logged(out, "fp32", "grad_norm"), logged(out, "resumed", "grad_norm")
+    result["resume_bitwise"] = resumed == fp32[10:] and norms_resumed == norms[10:]
+    rel = [abs(b - f) / abs(f) for b, f in zip(bf16, fp32)]
+    result["bf16_max_rel_diff"] = max(rel)
+    # Within 1e-2, yet not equal: equal losses would mean bf16 never reached the compute.
+    result["bf16_close"] = len(bf16) == 20 and max(rel) <= 1e-2 and max(rel) > 1e-6
+    result["device_line"] = next((line for line in logs["fp32"].splitlines() if "DeviceMesh" in line), "")
+    return result
+
+
+# ---------------------------------------------------------------- 4. the dry run's prediction
+
+def dry_run_argv(layers: int, ac: str, device_type: str) -> list[str]:
+    """The measured config as train.py flags (the dry run traces eager code: compile off)."""
+    if device_type == "cuda":
+        base = ["--config", "llama3_8b", "--training.seq_len=8192", "--training.mixed_precision_param=bfloat16"]
+    else:
+        base = ["--config", "debug_2d", f"--training.seq_len={CPU_SEQ}", "--training.mixed_precision_param=float32",
+                "--model.vocab_size=256"]
+    return base + [f"--model.n_layers={layers}", "--training.global_batch_size=1", "--training.local_batch_size=1",
+                   "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.mixed_precision_reduce=float32",
+                   "--parallelism.sharding_strategy=FULL_SHARD", f"--activation_checkpoint.mode={ac}",
+                   "--compile.enable=false", "--float8.enable=false"]
+
+
+def predict_peak_gib(layers: int, ac: str, device_type: str) -> float:
+    """The dry run's peak for one rank, in a subprocess (it needs a fake process group)."""
+    code = ("import json, sys; from training.config import parse_args; from training.dry_run import dry_run; "
+            "cfg, _ = parse_args(sys.argv[1:]); r = dry_run(cfg, 1); print('PEAK_BYTES', r['memory']['total'])")
+    env = subprocess_env()
+    proc = subprocess.run([sys.executable, "-c", code, *dry_run_argv(layers, ac, device_type)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PEAK_BYTES")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"dry run failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return int(line.split()[1]) / GIB
+
+
+def layers_that_fit(capacity_gib: float, fill: float, device_type: str) -> tuple[int, dict]:
+    """Memory is linear in the layer count: two dry runs give intercept and slope."""
+    one, two = predict_peak_gib(1, "none", device_type), predict_peak_gib(2, "none", device_type)
+    per_layer, fixed = two - one, 2 * one - two
+    layers = max(1, math.floor((fill * capacity_gib - fixed) / per_layer))
+    return layers, {"fixed_gib": fixed, "per_layer_gib": per_layer, "capacity_gib": capacity_gib, "fill": fill}
+
+
+# ---------------------------------------------------------------- 3. throughput
+
+CPU_SEQ = 128
+
+
+def bench_args(args, layers: int, ac: str, compiled: bool, float8: bool):
+    gpu = args.device == "cuda"
+    argv = ["--device", args.device, "--flavor", "8B" if gpu else "debug", "--layers", str(layers),
+            "--seq-len", str(8192 if gpu else CPU_SEQ), "--batch", "1", "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--dtype", "bfloat16" if gpu else "float32", "--ac", ac]
+    argv += ["--compile", "--compile-loss"] if compiled else []
+    argv += ["--float8"] if float8 else []
+    return throughput.parse_args(argv)
+
+
+def run_rows(args, layers: int, mesh, device, deadline: float, env: dict, profile_to: Path) -> tuple[list, float, int]:
+    shape = throughput.new_model(bench_args(args, layers, "none", False, False))
+    n = sum(p.numel() for p in shape.parameters())
+    flops = flops_per_token(n, shape.tok_embeddings.weight.numel(), shape.cfg.n_layers, shape.cfg.dim,
+                            shape.cfg.max_seq_len)
+    spec = env["spec_tflops"] * 1e12 if env["spec_tflops"] else None
+    matmul = env["matmul_tflops"] * 1e12
+    est = {"step": 2.0, "compile": 120.0}  # seconds, refined by each measured variant
+    rows = []
+    for name in args.rows:
+        ac, compiled, float8 = ROWS[name]
+        row = {"name": name, "ac": ac, "compile": compiled, "float8": float8}
+        rows.append(row)
+        if float8:
+            from parallel.float8 import float8_unavailable
+            reason = float8_unavailable(device.type)
+            if reason:
+                row["skipped"] = reason
+                continue
+        steps = args.warmup + args.steps
+        needed = 2 * ((est["compile"] if compiled else 15.0) + steps * est["step"])
+        if time.perf_counter() + needed > deadline:
+            row["skipped"] = f"time budget: about {needed:.0f} s needed, {deadline - time.perf_counter():.0f} s left"
+            continue
+        bargs = bench_args(args, layers, ac, compiled, float8)
+        profile = profile_to if name == PROFILED_ROW else None
+        print(f"gpu_check: {name} ...", flush=True)
+        base = throughput.measure("baseline", throughput.build_baseline, bargs, mesh, device, flops, spec, compiled,
+                                  profile_to=profile)
+        ours = throughput.measure("meshtrain", throughput.build_meshtrain, bargs, mesh, device, flops, spec, compiled,
+                                  profile_to=profile)
+        measured = [v for v in (base, ours) if "error" not in v]
+        if measured:
+            est["step"] = max(v["step_seconds"] for v in measured)
+            if compiled:  # the first variant compiles cold, the second may hit inductor's caches
+                est["compile"] = max(v["warmup_seconds"] for v in measured)
+        row["baseline"], row["meshtrain"] = base, ours
+        if "error" in ours:
+            row["error"] = ours["error"]
+            continue
+        tps = ours["tokens_per_second"]
+        # Step-to-step spread of both variants, (max - min) / median: a ratio closer to 1
+        # than this is noise.
+        spread = max((max(v["step_times"]) - min(v["step_times"])) / sorted(v["step_times"])[len(v["step_times"]) // 2]
+                     for v in measured)
+        row.update(tokens_per_second=tps, tflops=tps * flops / 1e12, mfu_spec=tps * flops / spec if spec else None,
+                   mfu_matmul=tps * flops / matmul, peak_mem_gib=ours["peak_memory_gib"],
+                   peak_reserved_gib=ours.get("peak_reserved_gib"),
+                   baseline_tokens_per_second=base.get("tokens_per_second"),
+                   ratio=tps / base["tokens_per_second"] if "tokens_per_second" in base else None,
+                   loss=ours["final_loss"], baseline_loss=base.get("final_loss"), step_spread=spread)
+        print(f"gpu_check: {name}: {tps:,.0f} tokens/s, ratio {_num(row['ratio'], '.3f')}", flush=True)
+    return rows, flops, n
+
+
+# ---------------------------------------------------------------- report
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    spec = f"{env['spec_tflops']:.0f}" if env["spec_tflops"] else "n/a"
+    lines = [f"# gpu_check: {env['device']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}", "",
+             f"Matmul {'8192^3 bf16' if env['memory_gib'] else '512^3 fp32'}: **{env['matmul_tflops']:.0f} TFLOP/s "
+             f"measured**, spec {spec} TFLOP/s.", ""]
+    c = result.get("checks")
+    if c:
+        lines += ["## train.py on one device", "",
+                  f"- learns: **{c['learns']}** (loss {c['losses_fp32'][0]:.4f} -> {c['losses_fp32'][-1]:.4f} in 20 steps)",
+                  f"- resume from the step-10 checkpoint is bitwise: **{c['resume_bitwise']}**",
+                  f"- bf16 within 1e-2 of fp32: **{c['bf16_close']}** (largest relative loss difference "
+                  f"{c['bf16_max_rel_diff']:.2e})", ""]
+    s = result.get("shape")
+    if s:
+        lines += [f"## Throughput: {s['layers']} {s['flavor']} blocks ({s['params'] / 1e6:,.0f}M parameters), seq "
+                  f"{s['seq_len']}, batch 1, {s['flops_per_token'] / 1e9:.4g} GFLOP/token", "",
+                  "| row | tokens/s | TFLOP/s | MFU (spec) | MFU (matmul) | peak GiB | baseline tokens/s | ours / baseline "
+                  "| step spread |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
+        for r in result["runs"]:
+            if "tokens_per_second" not in r:
+                lines.append(f"| {r['name']} | {r.get('skipped') or r.get('error')} | | | | | | | |")
+                continue
+            base = r["baseline_tokens_per_second"]
+            lines.append(f"| {r['name']} | {r['tokens_per_second']:,.0f} | {r['tflops']:.0f} | {pct(r['mfu_spec'])} | "
+                         f"{pct(r['mfu_matmul'])} | {r['peak_mem_gib']:.1f} | "
+                         f"{'OOM' if base is None else format(base, ',.0f')} | {_num(r['ratio'], '.3f')} | "
+                         f"{pct(r['step_spread'])} |")
+        lines.append("")
+    if result.get("memory"):
+        lines += ["## Dry-run peak vs measured (eager rows)", "",
+                  "| row | predicted GiB | max allocated GiB | max reserved GiB | predicted / allocated |",
+                  "|---|---:|---:|---:|---:|"]
+        for m in result["memory"]:
+            alloc = m["max_allocated_gib"]
+            ratio = m["predicted_gib"] / alloc if alloc else None
+            lines.append(f"| {m['name']} | {m['predicted_gib']:.2f} | {_num(alloc, '.2f')} | "
+                         f"{_num(m['max_reserved_gib'], '.2f')} | {_num(ratio, '.3f')} |")
+        lines.append("")
+    for section, err in result.get("errors", {}).items():
+        lines += [f"**{section} failed:** `{err.splitlines()[-1] if err else ''}`", ""]
+    lines.append(f"Whole command: {result['seconds']:.0f} s.")
+    return "\n".join(lines) + "\n"
+
+
+def _num(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def save(result: dict, out: Path) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> dict:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as train.py does
+    args = parse_args(argv)
+    started = time.perf_counter()
+    deadline = started + args.budget
+    args.out.mkdir(parents=True, exist_ok=True)
+    store = throughput.init_world(args.device)
+    if args.device == "cpu":
+        torch.set_flush_denormal(True)  # see bench/throughput.py
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    env = environment(device)
+    result = {"device": env["device"], "torch": env["torch"], "date": env["date"],
+              "matmul_tflops": env["matmul_tflops"], "environment": env, "runs": [], "memory": [], "checks": {},
+              "errors": {}}
+    print(f"gpu_check: {env['device']} | torch {env['torch']} | CUDA {env['cuda']} | matmul "
+          f"{env['matmul_tflops']:.1f} TFLOP/s measured, spec {env['spec_tflops']}", flush=True)
+    save(result, args.out)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    try:
+        if "checks" not in args.skip:
+            try:
+                result["checks"] = cuda_path_checks(args.device, work / "runs")
+            except Exception as err:  # a failed check is a result: record it, measure the rest
+                result["errors"]["checks"] = f"{type(err).__name__}: {err}"
+            print(f"gpu_check: checks {({k: v for k, v in result['checks'].items() if not k.startswith('losses')})}",
+                  flush=True)
+            save(result, args.out)
+        capacity = env["memory_gib"]
+        predictions = {}
+        layers = args.layers or 2
+        try:
+            if not args.layers and args.device == "cuda":
+                layers, result["layer_choice"] = layers_that_fit(capacity, args.fill, "cuda")
+            if "memory" not in args.skip:
+                for ac in sorted({ROWS[name][0] for name in args.rows if not ROWS[name][1]}):
+                    predictions[ac] = predict_peak_gib(layers, ac, args.device)
+        except Exception as err:  # the measurement still runs, at the default depth
+            result["errors"]["dry run"] = f"{type(err).__name__}: {err}"
+            layers = args.layers or (8 if args.device == "cuda" else 2)
+        print(f"gpu_check: {layers} layers; predicted peaks (GiB) {predictions}", flush=True)
+        if "throughput" not in args.skip:
+            mesh = init_device_mesh(args.device, (1,), mesh_dim_names=("dp_shard",))
+            rows, flops, n = run_rows(args, layers, mesh, device, deadline, env, args.out / "profile.txt")
+            result["shape"] = {"flavor": "Llama-3-8B" if args.device == "cuda" else "debug Llama", "layers": layers, "params": n, "seq_len": 8192 if args.device == "cuda" else CPU_SEQ,
+                               "flops_per_token": flops}
+            result["runs"] = rows
+            for r in rows:
+                if r["name"].startswith("eager") and r["ac"] in predictions:
+                    ours = r.get("meshtrain", {})
+                    result["memory"].append({
+                        "name": r["name"], "predicted_gib": predictions[r["ac"]],
+                        "max_allocated_gib": ours.get("peak_memory_gib") if args.device == "cuda" else None,
+                        "max_reserved_gib": ours.get("peak_reserved_gib")})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        result["seconds"] = time.perf_counter() - started
+        save(result, args.out)
+        (args.out / "gpu_check.md").write_text(markdown(result))
+        shutdown_distributed()
+        if store and os.path.exists(store):
+            os.remove(store)
+    print(markdown(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
