@@ -11,7 +11,9 @@ What is saved: the model, the optimizer state and torch's RNG state through torc
 state-dict API (keys are parameter names, values DTensors), so a checkpoint written by
 dp_shard 4 loads into dp 2 x tp 2 or into pipeline stages: DCP re-slices each tensor for
 the reader. Each rank writes only its own shards. Only tensors go into DCP files (read
-back with weights_only); everything else is JSON. Loading never unpickles.
+back with weights_only); everything else is JSON. DCP's own index, `.metadata`, is a
+pickle: it is read through `training.checkpoint_reader.SafeReader`, which refuses anything
+but the classes such an index is made of, so a checkpoint from elsewhere cannot run code.
 
 Atomic: a save is written to `step-N.tmp` and renamed to `step-N` by rank 0 only after
 DCP's metadata, written last, exists. A crash or kill at any point of a save leaves at
@@ -41,6 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from training.checkpoint_reader import SafeReader, UnsafeCheckpointError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -196,8 +200,13 @@ class CheckpointManager:
             state["optimizer"], copies = self._read_tied_from_source(opt)
         if meta.get("rng"):
             state["rng"] = rng_state()  # filled in place, then installed
+        reader = SafeReader(str(path))
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            reader.read_metadata()  # before DCP: a refused index is named plainly, on every rank
+        except (UnsafeCheckpointError, FileNotFoundError) as err:
+            raise CheckpointError(str(err)) from None
+        try:
+            dcp.load(state, storage_reader=reader)
         except Exception as err:  # DCP reports a bad file deep in its planner
             raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
         with torch.no_grad():

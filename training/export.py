@@ -24,27 +24,15 @@ from typing import Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.gpt2.model import GPT2, GPT2Config
 from models.llama.model import Llama, LlamaConfig
+from training.checkpoint_reader import SafeReader
 from training.config import tomllib
 from parallel.init import canonical_name
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class _MetadataOnceReader(FileSystemReader):
-    """dcp.load re-reads (unpickles) .metadata on every call; for a checkpoint of a
-    512-rank run that index of every shard is large, and we call load once per tensor."""
-
-    _metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
 
 
 MODELS = {"llama": (LlamaConfig, Llama), "gpt2": (GPT2Config, GPT2)}
@@ -87,7 +75,7 @@ def _order(name: str):
 def model_tensors(checkpoint_dir: str | Path,
                   dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(our parameter name, full tensor) for each model weight in a DCP folder, one at a time."""
-    reader = _MetadataOnceReader(checkpoint_dir)
+    reader = SafeReader(str(checkpoint_dir))
     try:
         metadata = reader.read_metadata()
     except FileNotFoundError:

@@ -164,7 +164,18 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
         with safe_open(hf_dir / "model.safetensors", framework="pt") as f:
             return dict.fromkeys(f.keys(), hf_dir / "model.safetensors")
     if index.is_file():
-        return {k: hf_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        files = {k: hf_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        root = hf_dir.resolve()
+        outside = sorted({str(f) for f in files.values() if root not in f.resolve().parents})
+        if outside:  # an index may only point at shards beside it
+            raise ValueError(f"{index} names files outside {hf_dir}: {', '.join(outside[:3])}")
+        return files
+    pickled = sorted(p.name for p in hf_dir.glob("pytorch_model*.bin"))
+    if pickled:
+        raise FileNotFoundError(
+            f"{hf_dir} holds only {', '.join(pickled)}: pickled weights, which can run code when loaded, so "
+            "meshtrain reads safetensors only. Convert once where you trust the file: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) writes safetensors")
     raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
