@@ -1,0 +1,154 @@
+"""The judge of every parity test: plain PyTorch, no meshtrain code.
+
+A layout is right when it trains like this loop does: the model as an ordinary
+nn.Module on one process, loaded with the layout's initial full weights;
+`torch.optim.AdamW`; `torch.nn.utils.clip_grad_norm_`; `F.cross_entropy` over every token
+of the global batch; the learning-rate schedule written out here, not imported;
+micro-batches accumulated by hand. Nothing from parallel/ or training/ is used.
+
+Tolerances come from an error model rather than from one machine's run. A layout changes
+only the order in which fp32 sums are taken (sharded matmuls, reductions over ranks), so it
+should land about as far from exact arithmetic as the fp32 reference itself does. The
+reference is therefore trained twice, in fp32 and in fp64 (`Oracle.noise`): per parameter
+tensor, per step loss and gradient norm, the fp32-vs-fp64 distance is the rounding scale
+of this problem on this machine, and a layout may differ from the fp32 reference by at
+most `K` times it, plus a few fp32 ulps. Adam makes the scale uneven -- it divides by
+sqrt(v), so elements whose gradient is at the rounding floor move by up to the learning
+rate on noise alone -- which is why the scale is measured per tensor instead of fixed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+K = 30  # tests/test_parity.py records the largest deviation measured: under K / 10
+ULP = torch.finfo(torch.float32).eps
+
+
+def logits_of(output) -> torch.Tensor:
+    """A model's logits, whether it returns them, an object with .logits or a dict."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return output["logits"] if isinstance(output, dict) else output.logits
+
+
+def cosine_lr(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to ``lr`` over ``warmup`` steps (the first step already at lr/warmup),
+    then cosine down to ``min_ratio * lr`` at the last step. ``step`` counts from 0."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    span = total - 1 - warmup
+    progress = 1.0 if span <= 0 else min(1.0, (step - warmup) / span)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class Run:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    final: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], *, lr: float,
+          max_norm: float, weight_decay: float = 0.1, betas=(0.9, 0.999), eps: float = 1e-8,
+          decay_all: bool = True, lr_at: Callable[[int], float] | None = None,
+          dtype: torch.dtype = torch.float32) -> Run:
+    """Train ``model`` (modified in place, cast to ``dtype``) on ``steps``: each step a list
+    of (inputs, labels) micro-batches of equal size that together make the global batch.
+    ``decay_all``: one AdamW group for everything (else matrices and embeddings decay,
+    vectors do not). ``max_norm`` 0: no clipping."""
+    model.to(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": params, "weight_decay": weight_decay}] if decay_all else [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+    run = Run()
+    for step, micro_batches in enumerate(steps):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for inputs, labels in micro_batches:
+            logits = logits_of(model(inputs)).flatten(0, 1)
+            loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten())
+            (loss / len(micro_batches)).backward()
+            total += loss.item() / len(micro_batches)
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if lr_at is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+        optimizer.step()
+        run.losses.append(total)
+        run.grad_norms.append(norm.item())
+    run.final = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    return run
+
+
+@dataclass
+class Oracle:
+    """The fp32 reference, its fp64 twin, and (optionally) the run without clipping."""
+    fp32: Run
+    fp64: Run
+    unclipped: Run | None = None
+
+    def noise(self) -> dict:
+        rel = lambda a, b: [abs(x - y) / abs(y) for x, y in zip(a, b)]
+        return {"losses": max(rel(self.fp32.losses, self.fp64.losses)),
+                "grad_norms": max(rel(self.fp32.grad_norms, self.fp64.grad_norms)),
+                "final": {n: (w - self.fp64.final[n]).abs().max().item() for n, w in self.fp32.final.items()}}
+
+
+def run_oracle(make_model: Callable[[], nn.Module], steps, *, with_unclipped: bool = False, **kwargs) -> Oracle:
+    """``make_model()`` must return a fresh model with the initial weights each time."""
+    fp32 = train(make_model(), steps, **kwargs)
+    fp64 = train(make_model(), [[(x, y) for x, y in s] for s in steps], dtype=torch.float64, **kwargs)
+    unclipped = train(make_model(), steps, **{**kwargs, "max_norm": 0.0}) if with_unclipped else None
+    return Oracle(fp32, fp64, unclipped)
+
+
+def deviations(losses, grad_norms, final: dict, oracle: Oracle) -> dict:
+    """How far a run is from the fp32 reference, in units of the reference's own rounding
+    scale (1.0 = as far as fp32 is from fp64); the check passes while every value <= K."""
+    noise, ref = oracle.noise(), oracle.fp32
+    scaled = lambda diff, scale, size: diff / (scale + 4 * ULP * size)
+    out = {
+        "losses": max(scaled(abs(a - b) / abs(b), noise["losses"], 1.0) for a, b in zip(losses, ref.losses)),
+        "grad_norms": max(scaled(abs(a - b) / abs(b), noise["grad_norms"], 1.0)
+                          for a, b in zip(grad_norms, ref.grad_norms)),
+    }
+    per_tensor = {name: scaled((final[name] - w).abs().max().item(), noise["final"][name], w.abs().max().item())
+                  for name, w in ref.final.items()}
+    out["final"] = max(per_tensor.values())
+    out["worst_tensor"] = max(per_tensor, key=per_tensor.get)
+    return out
+
+
+def assert_matches(losses, grad_norms, final: dict, oracle: Oracle, label: str) -> dict:
+    """Losses, gradient norms and every final weight within K rounding scales of the fp32
+    reference (see the module docstring). Returns the deviations, for reports."""
+    assert len(losses) == len(oracle.fp32.losses), f"{label}: {len(losses)} steps, the oracle ran {len(oracle.fp32.losses)}"
+    assert set(final) == set(oracle.fp32.final), (
+        f"{label}: parameters differ: extra {sorted(set(final) - set(oracle.fp32.final))}, "
+        f"missing {sorted(set(oracle.fp32.final) - set(final))}")
+    dev = deviations(losses, grad_norms, final, oracle)
+    for key in ("losses", "grad_norms", "final"):
+        where = f" (worst: {dev['worst_tensor']})" if key == "final" else ""
+        assert dev[key] <= K, (f"{label}: {key} {dev[key]:.1f} rounding scales from the plain-PyTorch "
+                               f"reference{where}, more than the {K} allowed")
+    return dev
+
+
+def assert_clipping_binds(oracle: Oracle, label: str) -> None:
+    """Clipping changes the reference by far more than the tolerance, so a layout that
+    skipped it could not pass."""
+    dev = deviations(oracle.unclipped.losses, oracle.unclipped.grad_norms, oracle.unclipped.final, oracle)
+    assert min(dev["losses"], dev["final"]) > 10 * K, (
+        f"{label}: clipping moves the reference only {dev} rounding scales; it must bind harder")
