@@ -9,10 +9,11 @@ micro-batches accumulated by hand. Nothing from parallel/ or training/ is used.
 Tolerances come from an error model rather than from one machine's run. A layout changes
 only the order in which fp32 sums are taken (sharded matmuls, reductions over ranks), so it
 should land about as far from exact arithmetic as the fp32 reference itself does. The
-reference is therefore trained twice, in fp32 and in fp64 (`Oracle.noise`): per parameter
-tensor, per step loss and gradient norm, the fp32-vs-fp64 distance is the rounding scale
-of this problem on this machine, and a layout may differ from the fp32 reference by at
-most `K` times it, plus a few fp32 ulps. Adam makes the scale uneven -- it divides by
+reference is therefore trained three times, twice in fp32 with different summation orders
+and once in fp64 (`Oracle.noise`): per parameter tensor, per step loss and gradient norm,
+the largest distance among the three is the rounding scale of this problem on this
+machine, and a layout may differ from the fp32 reference by at most `K` times it, plus a
+few fp32 ulps. Adam makes the scale uneven -- it divides by
 sqrt(v), so elements whose gradient is at the rounding floor move by up to the learning
 rate on noise alone -- which is why the scale is measured per tensor instead of fixed.
 """
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-K = 30  # tests/test_parity.py records the largest deviation measured: under K / 10
+K = 50  # the largest deviation measured, over every layout and CPU kernel path, is under K / 10 (test_parity.py)
 ULP = torch.finfo(torch.float32).eps
 
 
@@ -94,24 +95,36 @@ def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]
 
 @dataclass
 class Oracle:
-    """The fp32 reference, its fp64 twin, and (optionally) the run without clipping."""
+    """The fp32 reference, a second fp32 run that sums in another order (each micro-batch
+    split in two and accumulated), the fp64 run, and (optionally) the run without clipping."""
     fp32: Run
+    fp32_split: Run
     fp64: Run
     unclipped: Run | None = None
 
     def noise(self) -> dict:
-        rel = lambda a, b: [abs(x - y) / abs(y) for x, y in zip(a, b)]
-        return {"losses": max(rel(self.fp32.losses, self.fp64.losses)),
-                "grad_norms": max(rel(self.fp32.grad_norms, self.fp64.grad_norms)),
-                "final": {n: (w - self.fp64.final[n]).abs().max().item() for n, w in self.fp32.final.items()}}
+        """The rounding scale: the largest of the three pairwise distances between the two
+        fp32 runs and the fp64 one. Three samples of it, not one, so that a tensor where
+        one fp32 run happens to land near exact does not get a tolerance of almost zero."""
+        pairs = [(self.fp32, self.fp64), (self.fp32_split, self.fp64), (self.fp32, self.fp32_split)]
+        rel = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b))
+        return {"losses": max(rel(a.losses, b.losses) for a, b in pairs),
+                "grad_norms": max(rel(a.grad_norms, b.grad_norms) for a, b in pairs),
+                "final": {n: max((a.final[n] - b.final[n]).abs().max().item() for a, b in pairs)
+                          for n in self.fp32.final}}
+
+
+def _split(steps):
+    return [[half for x, y in s for half in zip(x.chunk(2), y.chunk(2))] for s in steps]
 
 
 def run_oracle(make_model: Callable[[], nn.Module], steps, *, with_unclipped: bool = False, **kwargs) -> Oracle:
     """``make_model()`` must return a fresh model with the initial weights each time."""
     fp32 = train(make_model(), steps, **kwargs)
-    fp64 = train(make_model(), [[(x, y) for x, y in s] for s in steps], dtype=torch.float64, **kwargs)
+    fp32_split = train(make_model(), _split(steps), **kwargs)
+    fp64 = train(make_model(), steps, dtype=torch.float64, **kwargs)
     unclipped = train(make_model(), steps, **{**kwargs, "max_norm": 0.0}) if with_unclipped else None
-    return Oracle(fp32, fp64, unclipped)
+    return Oracle(fp32, fp32_split, fp64, unclipped)
 
 
 def deviations(losses, grad_norms, final: dict, oracle: Oracle) -> dict:
@@ -147,8 +160,10 @@ def assert_matches(losses, grad_norms, final: dict, oracle: Oracle, label: str) 
 
 
 def assert_clipping_binds(oracle: Oracle, label: str) -> None:
-    """Clipping changes the reference by far more than the tolerance, so a layout that
-    skipped it could not pass."""
+    """Clipping changes the reference's losses by several times the tolerance and its
+    weights by far more, so a layout that skipped it could not pass. (AdamW undoes a
+    constant gradient scale; only the clip factor's change from step to step shows in the
+    losses, so they move less than the weights.)"""
     dev = deviations(oracle.unclipped.losses, oracle.unclipped.grad_norms, oracle.unclipped.final, oracle)
-    assert min(dev["losses"], dev["final"]) > 10 * K, (
+    assert dev["losses"] > 3 * K and dev["final"] > 10 * K, (
         f"{label}: clipping moves the reference only {dev} rounding scales; it must bind harder")

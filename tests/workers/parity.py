@@ -7,6 +7,7 @@ single-process reference, or under torchrun for a layout:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -17,9 +18,11 @@ from torch.distributed.tensor import DTensor
 from models.gpt2 import GPT2
 from models.llama import Llama
 from parallel import ParallelDims, parallelize, shutdown_distributed, submesh
+from training.optim import Optimizers, Schedulers
 from training.step import train_step
 
-STEPS, BATCH, SEQ, LR, MAX_NORM = 8, 8, 32, 1e-3, 0.5
+STEPS, BATCH, SEQ, LR, MAX_NORM = 8, 8, 32, 1e-3, 0.1
+BETAS, WEIGHT_DECAY, WARMUP, MIN_LR_RATIO = (0.9, 0.95), 0.1, 2, 0.1
 
 # name -> (ParallelDims kwargs, sharding strategy, model overrides; family="gpt2" picks GPT-2)
 LAYOUTS = {
@@ -71,11 +74,12 @@ PP_LAYOUTS = {
 }
 
 
-def build(overrides: dict):
-    """The debug model on meta: GPT-2 when overrides say family="gpt2", else Llama."""
+def build(overrides: dict, meta: bool = True):
+    """The debug model (on meta unless ``meta=False``): GPT-2 when overrides say
+    family="gpt2", else Llama."""
     overrides = dict(overrides)
     family = GPT2 if overrides.pop("family", "llama") == "gpt2" else Llama
-    return family.from_flavor("debug", meta=True, **overrides)
+    return family.from_flavor("debug", meta=meta, **overrides)
 
 
 def batches(vocab_size: int) -> torch.Tensor:
@@ -84,6 +88,14 @@ def batches(vocab_size: int) -> torch.Tensor:
     start = torch.randint(0, vocab_size, (STEPS, BATCH, 1), generator=g)
     stride = torch.randint(1, 8, (STEPS, BATCH, 1), generator=g)
     return (start + stride * torch.arange(SEQ + 1)) % vocab_size
+
+
+def optimizer_and_schedule(parts):
+    """What train.py builds: AdamW per part (decay on matrices and embeddings only), warmup
+    then cosine decay. The schedule moves the learning rate every step of these short runs."""
+    optimizer = Optimizers(parts, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=1e-8, weight_decay=WEIGHT_DECAY)
+    return optimizer, Schedulers(optimizer, warmup_steps=WARMUP, total_steps=STEPS, decay_type="cosine",
+                                 min_lr_ratio=MIN_LR_RATIO, decay_ratio=0.0)
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
@@ -117,7 +129,7 @@ def run_pipeline(layout: str) -> dict:
                               loss_fn=pipeline_loss_fn(micro * accum), device=torch.device("cpu"))
     result = {"init": gather_stages(modules, pp_mesh), "losses": [], "grad_norms": [], "layers": layers,
               "tied": model.tied_weights()}
-    optimizer = torch.optim.AdamW(torch.nn.ModuleList(modules).parameters(), lr=LR, weight_decay=0.1)
+    optimizer, scheduler = optimizer_and_schedule(modules)
     for tokens in batches(model.cfg.vocab_size):
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         steps = [(c[:, :-1], c[:, 1:]) for c in local.chunk(accum)]
@@ -125,6 +137,7 @@ def run_pipeline(layout: str) -> dict:
                                          last=len(layers) - 1 in ids, max_norm=MAX_NORM,
                                          loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh, pp_mesh=pp_mesh,
                                          tied=tied)
+        scheduler.step()
         result["losses"].append(loss)
         result["grad_norms"].append(norm)
     result["final"] = gather_stages(modules, pp_mesh)
@@ -155,22 +168,68 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
             dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     model.init_weights(seed=0)
     result = {"init": full_weights(model), "losses": [], "grad_norms": []}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    optimizer, scheduler = optimizer_and_schedule([model])
     per_rank = BATCH // dp_size
     for tokens in batches(model.cfg.vocab_size):
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         loss, norm = train_step(model, optimizer, [(local[:, :-1], local[:, 1:])], max_norm=MAX_NORM,
                                 loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
+        scheduler.step()
         result["losses"].append(loss)
         result["grad_norms"].append(norm)
     result["final"] = full_weights(model)
     return result
 
 
+# ---------------------------------------------------------------- faults a parallel trainer really has
+
+FAULTS = ("no_clip", "loss_not_divided", "grads_summed", "stage_left_out_of_norm", "lr_off_by_one")
+
+
+@contextlib.contextmanager
+def injected(fault: str | None, dims: dict):
+    """Break one thing, for the duration of one layout's run: the parity check must then fail
+    (tests/test_parity.py::test_parity_check_catches_each_fault)."""
+    import training.step as step
+
+    clip, loss_fn, schedule = step.clip_grad_norm_, step.pipeline_loss_fn, globals()["optimizer_and_schedule"]
+    if fault == "no_clip":  # the norm is still computed and reported; nothing is scaled
+        step.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, 0.0, **kw)
+    elif fault == "stage_left_out_of_norm":  # each pipeline stage clips by its own norm
+        step.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, max_norm, **{**kw, "pp_mesh": None})
+    elif fault == "loss_not_divided":  # micro-batch losses summed, not averaged
+        step.pipeline_loss_fn = lambda n: loss_fn(1)
+    elif fault == "grads_summed":  # the data-parallel reduction sums instead of averaging
+        dp = dims.get("dp_shard", 1) * dims.get("dp_replicate", 1)
+
+        def summed(params, max_norm, **kw):
+            params = list(params)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(dp)  # what a sum over dp ranks gives, where the mean was due
+            return clip(params, max_norm, **kw)
+        step.clip_grad_norm_ = summed
+    elif fault == "lr_off_by_one":  # the schedule one step ahead
+        def ahead(parts):
+            optimizer, scheduler = schedule(parts)
+            scheduler.step()
+            return optimizer, scheduler
+        globals()["optimizer_and_schedule"] = ahead
+    elif fault is not None:
+        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    try:
+        yield
+    finally:
+        step.clip_grad_norm_, step.pipeline_loss_fn = clip, loss_fn
+        globals()["optimizer_and_schedule"] = schedule
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    for name in sys.argv[2:]:
-        result = run_pipeline(name) if name in PP_LAYOUTS else run(name)
+    for name in sys.argv[2:]:  # LAYOUT or LAYOUT+FAULT
+        layout, _, fault = name.partition("+")
+        with injected(fault or None, (PP_LAYOUTS if layout in PP_LAYOUTS else LAYOUTS)[layout][0]):
+            result = run_pipeline(layout) if layout in PP_LAYOUTS else run(layout)
         if dist.get_rank() == 0:
             torch.save(result, out / f"{name}.pt")
     shutdown_distributed()
