@@ -58,6 +58,7 @@ def parallelize(
     block's parent, and FSDP shards the wrapper; parameter names gain
     ``_checkpoint_wrapped_module.`` / ``_orig_mod.`` (`parallel.init.canonical_name`
     drops them).
+
     ``async_tp`` overlaps TP collectives with matmuls inside the compiled blocks (CUDA,
     ``compile=True`` and a tp dimension; see parallel/async_tp.py).
     """
