@@ -58,9 +58,13 @@ def check_tp_plan(model: nn.Module, plan: dict) -> None:
         raise LayoutError(f"tp_plan must be a dict of module-name pattern -> ParallelStyle, "
                           f"got a {type(plan).__name__}")
     paths = [name for name, _ in model.named_modules()]
+    known = set(paths)
     problems = []
     for key, style in plan.items():
-        matched = [path for path in paths if plan_key_matches(key, path)]
+        if any(c in key for c in "*?["):
+            matched = [path for path in paths if plan_key_matches(key, path)]
+        else:  # a plain path (models/ spell out every layer's): a lookup, not a scan
+            matched = [key] if key in known else []
         if not isinstance(style, (ParallelStyle, dict)):
             # e.g. the strings of a Hugging Face config's base_model_tp_plan ("colwise").
             problems.append(f"{key!r}: {style!r} is not a ParallelStyle (ColwiseParallel(), "
