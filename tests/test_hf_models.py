@@ -16,13 +16,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from parallel import LayoutError, ParallelDims, parallelize
 from parallel.init import canonical_name
 from tests.conftest import torchrun
 from tests.oracle import assert_clipping_binds, assert_matches, run_oracle
 from tests.workers import hf_models
-from tests.workers.hf_models import GPT2Block, LlamaDecoderLayer
 from training.step import pipeline_loss_fn, train_step
 
 
