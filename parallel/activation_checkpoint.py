@@ -50,31 +50,58 @@ def save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(blocks: nn.ModuleDict | nn.ModuleList, mode: str, every: int = 2) -> None:
+def apply_ac(blocks, mode: str, every: int = 2, *, root: nn.Module | None = None) -> list[nn.Module]:
     """``full``: recompute every block's activations in backward (keeps only block inputs:
     about 2·s·b·h bytes per layer instead of tens of times that). ``selective``: only every
     ``every``-th block, trading part of the memory saving for less recomputation. ``op``:
     every block, but only its cheap ops are recomputed (see SAVED_OPS): the element-wise
     activations are dropped, the matmul and attention outputs kept, so backward redoes
-    little compute."""
+    little compute.
+
+    ``blocks``: a ModuleList / ModuleDict of blocks, or a list of block modules found
+    anywhere in ``root``. Each wrapper replaces its block in the block's parent, so the
+    model calls it and FSDP, applied next, shards the wrapper. Returns the blocks as they
+    now are (wrapped or not), in order."""
     if mode not in AC_MODES:
         raise ValueError(f"unknown activation checkpoint mode {mode!r}; accepted: {', '.join(AC_MODES)}")
+    slots = block_slots(blocks, root)
     if mode == "none":
-        return
-    for i, (key, block) in enumerate(_items(blocks)):
+        return [block for _, _, block in slots]
+    out = []
+    for i, (parent, name, block) in enumerate(slots):
         if mode == "op":
-            blocks[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=functools.partial(
+            block = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=functools.partial(
                 create_selective_checkpoint_contexts, save_expensive_ops))
         elif mode == "full" or i % every == 0:
-            blocks[key] = checkpoint_wrapper(block, preserve_rng_state=False)
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        setattr(parent, name, block)
+        out.append(block)
+    return out
 
 
-def apply_compile(blocks: nn.ModuleDict | nn.ModuleList) -> None:
+def apply_compile(blocks, *, root: nn.Module | None = None) -> list[nn.Module]:
     """Compile each block separately: blocks are identical, so one graph is reused for all
-    of them, and FSDP's per-block hooks stay outside the compiled regions."""
-    for key, block in _items(blocks):
-        blocks[key] = torch.compile(block, fullgraph=True)
+    of them, and FSDP's per-block hooks stay outside the compiled regions. ``blocks`` and
+    ``root`` as for `apply_ac`; returns the compiled blocks."""
+    out = []
+    for parent, name, block in block_slots(blocks, root):
+        block = torch.compile(block, fullgraph=True)
+        setattr(parent, name, block)
+        out.append(block)
+    return out
 
 
-def _items(blocks):
-    return list(blocks.items()) if isinstance(blocks, nn.ModuleDict) else list(enumerate(blocks))
+def block_slots(blocks, root: nn.Module | None = None) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute name, block) for each block, where a wrapper must be put for the
+    parent's forward to call it. A wrapper only takes effect in its parent: wrapping a
+    block that the model still reaches under its old name changes nothing."""
+    if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
+        return [(blocks, name, block) for name, block in blocks.named_children()]
+    if root is None:
+        raise ValueError("a list of blocks needs root=, the model they are in, to find each one's parent")
+    where = {id(child): (parent, name) for parent in root.modules() for name, child in parent.named_children()}
+    missing = [type(b).__name__ for b in blocks if id(b) not in where]
+    if missing:
+        raise ValueError(f"blocks not found inside {type(root).__name__}: {', '.join(missing)} "
+                         "(pass the modules of this model, or their ModuleList)")
+    return [(*where[id(b)], b) for b in blocks]

@@ -31,6 +31,7 @@ def parallelize(
     fsdp_units: list | None = None,
     block_classes: tuple[type, ...] | None = None,
     min_num_params: int | None = None,
+    blocks: list | nn.ModuleList | nn.ModuleDict | None = None,
     activation_checkpoint: str = "none",
     ac_every: int = 2,
     compile: bool = False,
@@ -44,8 +45,20 @@ def parallelize(
     The model says how: ``model.tp_plan(...)`` and ``model.fsdp_units()`` if it defines them;
     otherwise pass ``tp_plan`` and either ``fsdp_units``, ``block_classes`` (transformer
     auto-wrap) or ``min_num_params`` (size-based wrap). Works on a meta-device model:
-    nothing is allocated until ``init_weights`` / ``to_empty``. Activation checkpointing
-    and compile wrap the blocks in ``model.transformer_blocks()`` (a ModuleDict/ModuleList).
+    nothing is allocated until ``init_weights`` / ``to_empty``.
+
+    ``tp_plan`` keys are module paths relative to ``model``, with ``*`` wildcards per dotted
+    segment ("model.layers.*.self_attn.q_proj"). A key that matches no module, or a
+    Colwise/RowwiseParallel style on a module that is not an nn.Linear / nn.Embedding, is
+    refused with a `LayoutError` before anything is sharded.
+
+    Activation checkpointing and compile wrap each transformer block: ``blocks`` (the
+    block modules, or their ModuleList / ModuleDict), else ``model.transformer_blocks()``,
+    else the instances of ``block_classes``. Each wrapper replaces its block in the
+    block's parent, and FSDP shards the wrapper; parameter names gain
+    ``_checkpoint_wrapped_module.`` / ``_orig_mod.`` (`parallel.init.canonical_name`
+    drops them).
+
     ``async_tp`` overlaps TP collectives with matmuls inside the compiled blocks (CUDA,
     ``compile=True`` and a tp dimension; see parallel/async_tp.py).
     """
@@ -68,13 +81,20 @@ def parallelize(
         if async_tp:
             enable_async_tp(tp_mesh)
 
+    if fsdp_units is None and (block_classes is not None or min_num_params is not None):
+        # Found before activation checkpointing and compile wrap the blocks (the wrappers
+        # are not instances of the block class), then swapped for their wrappers below.
+        fsdp_units = modules_to_wrap(model, block_classes=block_classes, min_num_params=min_num_params)
+
     if activation_checkpoint != "none" or compile:
-        if not hasattr(model, "transformer_blocks"):
-            raise ValueError(f"{type(model).__name__} has no transformer_blocks(); activation "
-                             "checkpointing and compile need the container of blocks")
-        apply_ac(model.transformer_blocks(), activation_checkpoint, ac_every)
+        found = _blocks(model, blocks, block_classes)
+        wrapped = apply_ac(found, activation_checkpoint, ac_every, root=model)
         if compile:
-            apply_compile(model.transformer_blocks())
+            wrapped = apply_compile(wrapped, root=model)
+        # FSDP must shard the outermost wrapper: its all-gather then runs once, before
+        # the recomputed region, and its hooks stay outside the compiled graph.
+        if fsdp_units is not None:
+            fsdp_units = _swap(fsdp_units, dict(zip(map(id, found), wrapped)))
 
     sharding_strategy = resolve_strategy(sharding_strategy, mesh)
     dp_mesh = fsdp_mesh(mesh, sharding_strategy)
@@ -83,15 +103,41 @@ def parallelize(
     if dp_mesh is None:
         return model
     if fsdp_units is None:
-        if block_classes is not None or min_num_params is not None:
-            fsdp_units = modules_to_wrap(model, block_classes=block_classes, min_num_params=min_num_params)
-        elif hasattr(model, "fsdp_units"):
+        if hasattr(model, "fsdp_units"):
             fsdp_units = model.fsdp_units()
         else:
             raise ValueError(f"{type(model).__name__} has no fsdp_units(); pass fsdp_units, "
                              "block_classes or min_num_params")
     return apply_fsdp(model, dp_mesh, fsdp_units, strategy=sharding_strategy,
                       mp_policy=mixed_precision, cpu_offload=cpu_offload)
+
+
+def _blocks(model: nn.Module, blocks, block_classes) -> list[nn.Module]:
+    """The transformer blocks that activation checkpointing and compile wrap one by one:
+    ``blocks`` if given (the modules, or their ModuleList / ModuleDict), else the model's
+    ``transformer_blocks()``, else the instances of ``block_classes`` (the FSDP units of
+    transformer auto-wrap; a block nested in another is wrapped with its outer block)."""
+    if blocks is None and hasattr(model, "transformer_blocks"):
+        blocks = model.transformer_blocks()
+    if blocks is None and block_classes is not None:
+        found = {id(m) for m in modules_to_wrap(model, block_classes=block_classes)}
+        inner = {id(sub) for m in model.modules() if id(m) in found for sub in m.modules() if sub is not m}
+        return [m for m in model.modules() if id(m) in found and id(m) not in inner]
+    if blocks is None:
+        raise ValueError(f"activation checkpointing and compile wrap each transformer block, and "
+                         f"{type(model).__name__} does not say which they are: pass blocks= (the block "
+                         "modules or their ModuleList) or block_classes=, or give the model a "
+                         "transformer_blocks() method")
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
+    return list(blocks)
+
+
+def _swap(units: list, wrappers: dict) -> list:
+    """FSDP units with each wrapped block replaced by its wrapper (``wrappers``: id of the
+    block -> wrapper); a unit may be one module or a list of modules sharded together."""
+    swap = lambda m: wrappers.get(id(m), m)
+    return [[swap(m) for m in u] if isinstance(u, (list, tuple)) else swap(u) for u in units]
 
 
 def _model_tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:

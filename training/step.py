@@ -8,6 +8,8 @@ sees the same number of tokens, so this equals the single-process mean exactly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -36,8 +38,24 @@ def compile_loss(enable: bool = True) -> None:
     _loss_impl = torch.compile(_cross_entropy_fp32) if enable else _cross_entropy_fp32
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return _loss_impl(logits, labels)
+def logits_of(output) -> torch.Tensor:
+    """The logits in what a model's forward returned: the tensor itself, a dict with
+    "logits", or an object with ``.logits`` (a Hugging Face ``CausalLMOutput``, which is
+    both). So a model is trained as it is, with no wrapper that unpacks its output."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"the model returned a {type(output).__name__}; the loss needs the logits: "
+                    "a tensor, a dict with 'logits', or an object with a .logits tensor")
+
+
+def cross_entropy(output, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the model's ``output`` (see `logits_of`) against ``labels``."""
+    return _loss_impl(logits_of(output), labels)
 
 
 def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
@@ -45,6 +63,8 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                device: torch.device | None = None, step: int = 0,
                skip_nonfinite: bool = False) -> tuple[float, float]:
     """Returns (loss averaged over the global batch, global gradient norm before clipping).
+    ``model(inputs)`` may return the logits, a dict with "logits" or an object with
+    ``.logits`` (a Hugging Face model as it is).
     ``loss_parallel``: the logits are vocab-sharded DTensors (TP with loss_parallel).
     ``skip_nonfinite``: when the gradient norm is inf/NaN, leave the weights alone (the
     norm is the same on every rank, so every rank skips)."""
@@ -116,9 +136,10 @@ def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, ski
 
 def pipeline_loss_fn(micro_batches_per_step: int):
     """Cross-entropy for one schedule micro-batch, scaled so the step's losses (and so
-    the gradients) add up to the mean over all of them."""
-    def loss_fn(logits, labels):
-        return cross_entropy(logits, labels) / micro_batches_per_step
+    the gradients) add up to the mean over all of them. The last stage may return the
+    logits in any form `logits_of` accepts."""
+    def loss_fn(output, labels):
+        return cross_entropy(output, labels) / micro_batches_per_step
     return loss_fn
 
 
