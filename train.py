@@ -223,7 +223,10 @@ def main(argv: list[str] | None = None) -> None:
         from models.llama.hf import load_hf_weights_
 
         for part in model_parts:  # each rank reads only its own shards of each tensor
-            load_hf_weights_(part, cfg.checkpoint.initial_load_hf)
+            try:
+                load_hf_weights_(part, cfg.checkpoint.initial_load_hf)
+            except (ValueError, FileNotFoundError) as err:  # the folder does not fit the model
+                raise CheckpointError(f"[checkpoint] initial_load_hf: {err}") from None
     metrics = MetricsLogger(run_dir / "tb", rank=rank, log_freq=cfg.metrics.log_freq,
                             enable_tensorboard=cfg.metrics.enable_tensorboard, config_text=config_to_toml(cfg),
                             purge_step=start_step + 1 if start_step else None)
@@ -320,12 +323,14 @@ def stop_on_nonfinite(step, loss, grad_norm, skipped, checkpoint, data, t) -> No
 
 def run(argv: list[str] | None = None) -> int:
     """Bad input ends every rank promptly with a message and exit code 2, not a traceback
-    (``--debug`` shows it). Only rank 0 prints: every rank read the same config."""
+    (``--debug`` shows it). Only rank 0 prints: every rank read the same config. Bad input
+    means meshtrain's own error types, raised where the input is checked; any other
+    exception is a bug and keeps its traceback (exit 1)."""
     debug = "--debug" in (argv if argv is not None else sys.argv)
     try:
         main(argv)
         return 0
-    except (ConfigError, LayoutError, CheckpointError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, LayoutError, CheckpointError) as err:
         if debug:
             traceback.print_exc()
         if int(os.environ.get("RANK", 0)) == 0:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from training.config import ConfigError
 from training.data import (
     ByteTokenizer,
     DataLoader,
@@ -117,7 +118,7 @@ def test_state_dict_resume(tokens):
     assert torch.equal(torch.cat([i for i, _ in resumed.next_batch()]),
                        torch.cat([i for i, _ in expected]))
     assert resumed.state_dict()["position"] == 3
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(ConfigError, match="seed"):
         loader(tokens, seed=1).load_state_dict(dl.state_dict())
 
 
@@ -126,20 +127,20 @@ def test_jsonl_text_field(tmp_path):
     path.write_text('{"text": "one"}\n\n{"text": "two", "meta": 1}\n')
     assert list(iter_documents("text", str(path))) == ["one", "two"]
     path.write_text('{"text": "one"}\n{"body": "two"}\n')
-    with pytest.raises(ValueError, match=r"x\.jsonl:2.*'text'"):
+    with pytest.raises(ConfigError, match=r"x\.jsonl:2.*'text'"):
         list(iter_documents("text", str(path)))
 
 
 def test_bad_arguments(tokens, tmp_path):
-    with pytest.raises(ValueError, match="'stdlib' or 'text'"):
+    with pytest.raises(ConfigError, match="'stdlib' or 'text'"):
         list(iter_documents("wikipedia", ""))
-    with pytest.raises(ValueError, match="file or directory"):
+    with pytest.raises(ConfigError, match="file or directory"):
         list(iter_documents("text", str(tmp_path / "missing")))
     with pytest.raises(ValueError, match=r"2 \* 3 = 6"):
         loader(tokens, dp_size=2, local=3)
-    with pytest.raises(ValueError, match="corpus too small"):
+    with pytest.raises(ConfigError, match="corpus too small"):
         loader(tokens, global_bs=48, local=48)
-    with pytest.raises(ValueError, match="no file at"):
+    with pytest.raises(ConfigError, match="no file at"):
         build_tokenizer(str(tmp_path / "tokenizer.json"))
 
 
@@ -210,8 +211,8 @@ def test_hf_tokenizer_eos_choice(tmp_path, monkeypatch):
     assert HFTokenizer("tokenizer.json").eos_id == 999
 
 
-def test_a_file_that_is_not_a_tokenizer_is_a_value_error_naming_it(tmp_path):
+def test_a_file_that_is_not_a_tokenizer_is_a_config_error_naming_it(tmp_path):
     path = tmp_path / "tokenizer.json"
     path.write_text('{"not": "a tokenizer"}')
-    with pytest.raises(ValueError, match="is not a Hugging Face tokenizer.json"):
+    with pytest.raises(ConfigError, match="is not a Hugging Face tokenizer.json"):
         build_tokenizer(str(path))

@@ -167,6 +167,21 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_bug_in_meshtrain_shows_its_traceback_and_is_not_called_bad_input(tmp_path):
+    """Only meshtrain's own error types mean bad input (exit 2, one line). A ValueError from
+    inside the code -- here planted in the loss -- is a bug: traceback, exit 1."""
+    code = ("import sys, train, training.step as s\n"
+            "def broken(*a, **k):\n    raise ValueError('planted bug')\n"
+            "s.cross_entropy = broken\n"
+            "sys.exit(train.run(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "--config", "debug_2d", "--parallelism.dp_shard=1",
+                           "--parallelism.tp=1", "--training.steps=1", f"--job.output_dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" in proc.stderr and "planted bug" in proc.stderr
+    assert "meshtrain: error" not in proc.stderr
+
+
 def test_impossible_layout_stops_every_rank_before_the_process_group(tmp_path):
     proc = torchrun("train.py", "--config", "debug_2d", "--parallelism.tp=3", nproc=4, timeout=120)
     assert proc.returncode != 0

@@ -21,6 +21,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from training.config import ConfigError
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: no vocabulary file, works on any text."""
@@ -60,7 +62,7 @@ class HFTokenizer:
         try:
             self.tok = Tokenizer.from_file(path)
         except Exception as err:  # the library raises a bare Exception for a file it cannot parse
-            raise ValueError(f"tokenizer '{path}' is not a Hugging Face tokenizer.json: {err}") from None
+            raise ConfigError(f"tokenizer '{path}' is not a Hugging Face tokenizer.json: {err}") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._first_id(self.EOS_CANDIDATES, self.vocab_size - 1)
         self.bos_id = self._first_id(self.BOS_CANDIDATES, None)
@@ -83,7 +85,7 @@ def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     if spec == "byte":
         return ByteTokenizer()
     if not os.path.isfile(spec):
-        raise ValueError(f"tokenizer must be 'byte' or the path of a tokenizer.json file; "
+        raise ConfigError(f"tokenizer must be 'byte' or the path of a tokenizer.json file; "
                          f"no file at '{spec}'")
     return HFTokenizer(spec)
 
@@ -119,9 +121,9 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e})") from e
             if not isinstance(record, dict) or "text" not in record:
-                raise ValueError(f"{path}:{lineno}: jsonl record has no 'text' field")
+                raise ConfigError(f"{path}:{lineno}: jsonl record has no 'text' field")
             yield record["text"]
 
 
@@ -139,15 +141,15 @@ def iter_documents(dataset: str, dataset_path: str = "") -> Iterator[str]:
     elif dataset == "text":
         root = Path(dataset_path)
         if not dataset_path or not root.exists():
-            raise ValueError(f"dataset 'text' needs dataset_path to be a file or directory; "
+            raise ConfigError(f"dataset 'text' needs dataset_path to be a file or directory; "
                              f"got '{dataset_path}'")
         files = [root] if root.is_file() else _sorted_files(root, TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"no {'/'.join(TEXT_SUFFIXES)} files under '{dataset_path}'")
+            raise ConfigError(f"no {'/'.join(TEXT_SUFFIXES)} files under '{dataset_path}'")
         for path in files:
             yield from _jsonl_texts(path) if path.suffix == ".jsonl" else [_read_text(path)]
     else:
-        raise ValueError(f"unknown dataset '{dataset}'; expected 'stdlib' or 'text'")
+        raise ConfigError(f"unknown dataset '{dataset}'; expected 'stdlib' or 'text'")
 
 
 def load_tokens(dataset: str, dataset_path: str = "", tokenizer: str = "byte",
@@ -200,7 +202,7 @@ class DataLoader:
         self.seed = seed
         self.num_windows = len(self.tokens) // (seq_len + 1)  # the tail that doesn't fit is dropped
         if self.num_windows < global_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"corpus too small: {len(self.tokens)} tokens make {self.num_windows} windows "
                 f"of seq_len + 1 = {seq_len + 1}, fewer than one global batch of {global_batch_size}")
         self.position = 0  # the next step to read
@@ -262,7 +264,7 @@ class DataLoader:
     def load_state_dict(self, sd: dict) -> None:
         for key in ("seed", "seq_len", "global_batch_size", "num_windows"):
             if sd[key] != getattr(self, key):
-                raise ValueError(f"data loader state has {key}={sd[key]} but this run has "
+                raise ConfigError(f"data loader state has {key}={sd[key]} but this run has "
                                  f"{getattr(self, key)}; resuming would read different sequences")
         self.position = sd["position"]
 
