@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from bench import throughput  # noqa: E402
 from parallel.mesh import shutdown_distributed
+from planning.hardware import GIB  # noqa: E402
 from training.metrics import device_peak_flops, flops_per_token  # noqa: E402
 
 # name -> (activation checkpointing, compile, float8)
@@ -56,7 +57,6 @@ ROWS = {
     "float8 compile ac=op": ("op", True, True),
 }
 PROFILED_ROW = "compile ac=op"
-GIB = 2**30
 
 
 def parse_args(argv=None):
@@ -203,7 +203,7 @@ def dry_run_argv(layers: int, ac: str, device_type: str) -> list[str]:
 
 def predict_peak_gib(layers: int, ac: str, device_type: str) -> float:
     """The dry run's peak for one rank, in a subprocess (it needs a fake process group)."""
-    code = ("import json, sys; from training.config import parse_args; from training.dry_run import dry_run; "
+    code = ("import json, sys; from training.config_loader import parse_args; from planning.dry_run import dry_run; "
             "cfg, _ = parse_args(sys.argv[1:]); r = dry_run(cfg, 1); print('PEAK_BYTES', r['memory']['total'])")
     env = subprocess_env()
     proc = subprocess.run([sys.executable, "-c", code, *dry_run_argv(layers, ac, device_type)], cwd=ROOT, env=env,

@@ -54,12 +54,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from models.llama import Llama
 from parallel import AC_MODES, mixed_precision_policy, parallelize, shutdown_distributed, submesh
 from parallel.float8 import apply_float8
-from training.metrics import (GIB, TrackedActivations, device_peak_flops, flops_per_token, memory_stats,
+from planning.hardware import GIB
+from training.config import DTYPES
+from training.metrics import (TrackedActivations, device_peak_flops, flops_per_token, memory_stats,
                               reset_peak_rss)
 from training.optim import build_optimizer
 from training.step import compile_loss, train_step
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv=None):
@@ -73,7 +74,7 @@ def parse_args(argv=None):
                    "(default: 4 on CPU, 1 on GPU)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+    p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="parameter/compute dtype; gradients are reduced and master weights kept in "
                    "fp32 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--compile", action="store_true", help="meshtrain: torch.compile each block")
@@ -99,7 +100,7 @@ def parse_args(argv=None):
 def build_meshtrain(args, mesh, device) -> tuple[nn.Module, object, Callable]:
     model = new_model(args)
     if args.float8:
-        apply_float8(model)
+        apply_float8(model, skip=("output",))  # the head stays in high precision, as train.py does
     compile_loss(args.compile_loss)
     # With a mixed-precision policy parallelize applies FSDP even on one rank, like the
     # baseline's fully_shard, so both variants run the same sharding machinery.
@@ -125,7 +126,7 @@ def build_baseline(args, mesh, device) -> tuple[nn.Module, object, Callable]:
     if args.float8:
         from torchao.float8 import convert_to_float8_training
         convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "output")
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
     ac = args.baseline_ac or args.ac
     for i, (key, block) in enumerate(list(model.layers.items())):
         if ac == "op":

@@ -165,7 +165,8 @@ def section_doc(cls) -> str:
 
 
 def config_md() -> str:
-    from training.config import SECTIONS, _toml_value, default_of, describe_accepted
+    from training.config import SECTIONS, choices, default_of
+    from training.config_loader import _toml_value, describe_accepted
 
     out = [
         "# Config reference",
@@ -190,7 +191,7 @@ def config_md() -> str:
         for f in fields(cls):
             meta = f.metadata
             if "choices" in meta:
-                accepted = ", ".join(f"`{_toml_value(c)}`" for c in meta["choices"])
+                accepted = ", ".join(f"`{_toml_value(c)}`" for c in choices(meta))
             elif f.type is bool:
                 accepted = "`true`, `false`"
             else:

@@ -47,3 +47,47 @@ def fsdp_units(blocks, embeddings: list, head: list, *, tied: bool) -> list:
         return units + [embeddings + head]
     first = [embeddings[0] if len(embeddings) == 1 else embeddings] if embeddings else []
     return first + units + ([head] if head else [])
+
+
+def megatron_block_plan(*, attention: str, qkv: list[str], attention_out: str, mlp: str, mlp_in: list[str],
+                        mlp_out: str, norms: list[str], sequence_parallel: bool, extra_inputs: int = 0) -> dict:
+    """The TP plan of one transformer block, Megatron-style: q/k/v and the MLP's input
+    projections split by output columns (each rank computes whole heads and a slice of the
+    MLP width), the two output projections by input rows; nothing is communicated inside
+    attention or the MLP. With sequence parallel the activations between sub-layers are
+    sequence-sharded (the norms run on shards), so each sub-layer costs one all-gather in
+    and one reduce-scatter out; without it, an all-reduce out. ``extra_inputs``: arguments
+    of attention's forward after x that every rank already holds (rotary tables)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    between = Shard(1) if sequence_parallel else Replicate()
+    plain = (None,) * extra_inputs
+    plan = {
+        attention: PrepareModuleInput(input_layouts=(between, *plain), desired_input_layouts=(Replicate(), *plain)),
+        **{name: ColwiseParallel() for name in qkv},
+        attention_out: RowwiseParallel(output_layouts=between),
+        mlp: PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        **{name: ColwiseParallel() for name in mlp_in},
+        mlp_out: RowwiseParallel(output_layouts=between),
+    }
+    if sequence_parallel:
+        plan.update({name: SequenceParallel() for name in norms})
+    return plan
+
+
+def vocab_parallel_ends(*, sequence_parallel: bool, loss_parallel: bool) -> tuple:
+    """(embedding style, output style): the embedding table split by vocabulary rows (each
+    rank looks up its rows; the partial sums are reduced onto the sequence shards), the
+    output layer by vocabulary columns. With ``loss_parallel`` its logits stay sharded by
+    vocabulary and the loss runs under torch's `loss_parallel()`: the full [batch, seq,
+    vocab] logits never exist on one rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    between = Shard(1) if sequence_parallel else Replicate()
+    embedding = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    output = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                             use_local_output=not loss_parallel)
+    return embedding, output

@@ -40,9 +40,9 @@ def float8_unavailable(device_type: str, tp: int = 1) -> str | None:
     return "; ".join(missing) or None
 
 
-def apply_float8(model: nn.Module, skip: tuple[str, ...] = ("output", "lm_head")) -> list[str]:
+def apply_float8(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
     """Convert ``model``'s Linear layers to float8 training, except those named in ``skip``
-    (module names; the defaults are the output heads of models/), those whose weight is
+    (module names: the output head, which each family names in models/registry.py), those whose weight is
     tied to another module, and those with a size not divisible by 16. Works on a
     meta-device model. Returns the names of the converted layers."""
     reason = float8_unavailable("cuda" if torch.cuda.is_available() else "cpu")

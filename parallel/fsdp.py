@@ -15,6 +15,7 @@ memory, pay a second all-gather in backward) or kept until backward (SHARD_GRAD_
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -87,6 +88,38 @@ def fsdp_mesh(mesh: DeviceMesh, strategy: str) -> DeviceMesh | None:
     # NO_SHARD: every data-parallel rank is a replica = HSDP with a shard group of one.
     # Gradients are all-reduced; each rank keeps full parameters and optimizer state.
     return dp._unflatten(0, (dp.size(), 1), ("dp_noshard_replicate", "dp_noshard_shard"))
+
+
+def check_strategy(strategy: str, degrees: dict[str, int]) -> str:
+    """`resolve_strategy` and `fsdp_mesh`'s rules on the degrees alone (``{"pp": 2,
+    "dp_shard": 4, ...}``), before any process group exists: the resolved strategy, or a
+    LayoutError. train.py and the planner refuse exactly what `parallelize` would."""
+    mesh = _Degrees(degrees)
+    resolved = resolve_strategy(strategy, mesh)
+    fsdp_mesh(mesh, resolved)
+    return resolved
+
+
+class _Degrees:
+    """Just enough of a DeviceMesh for the rules above: dimension names and sizes, with
+    degree-1 dimensions left out as ParallelDims.build_mesh leaves them out."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = {name: size for name, size in sizes.items() if size > 1}
+        self.mesh_dim_names = tuple(self.sizes)
+
+    def __getitem__(self, names):
+        names = (names,) if isinstance(names, str) else names
+        return _Degrees({n: self.sizes[n] for n in names})
+
+    def size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def _flatten(self, name=None):
+        return _Degrees({name or "flat": self.size()})
+
+    def _unflatten(self, dim, shape, names):
+        return _Degrees(dict(zip(names, shape)))
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, units: list, *, strategy: str = "FULL_SHARD",

@@ -23,6 +23,17 @@ def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: d
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:
+    """One torchrun job of ``worker`` trains every named layout in turn (one start-up, not
+    one per layout) and saves each result as OUT/NAME.pt; returns them by name."""
+    import torch
+
+    names = list(names)
+    proc = torchrun(worker, str(out), *names, nproc=nproc, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {name: torch.load(out / f"{name}.pt") for name in names}
+
+
 @pytest.fixture
 def fake_world():
     """A fake process group of any size in this one process (no communication happens)."""

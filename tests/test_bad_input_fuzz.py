@@ -51,8 +51,8 @@ from hypothesis import strategies as st  # noqa: E402
 import parallel.mesh  # noqa: E402
 import train  # noqa: E402
 from models.llama import Llama  # noqa: E402
-from training.config import (CONFIGS_DIR, PP_SCHEDULES, SECTIONS, available_configs,  # noqa: E402
-                             describe_accepted, tomllib)
+from training.config import PP_SCHEDULES, SECTIONS, choices  # noqa: E402
+from training.config_loader import CONFIGS_DIR, available_configs, describe_accepted, tomllib  # noqa: E402
 
 # A bad config must be refused within this many seconds (CI shares 2 cores; a refusal
 # takes ~10 ms, the debug model on meta included).
@@ -634,8 +634,8 @@ def test_out_of_range_values_name_the_key_and_the_range(workdir, section, f, dat
 @fuzz(PER_FIELD)
 @given(data=st.data(), cli=st.booleans())
 def test_values_outside_the_choices_list_them(workdir, section, f, data, cli):
-    value = data.draw(st.one_of(TEXT, *(typo(c) for c in f.metadata["choices"] if len(c) > 1))
-                      .filter(lambda v: v not in f.metadata["choices"]), label=f"{section}.{f.name}")
+    value = data.draw(st.one_of(TEXT, *(typo(c) for c in choices(f.metadata) if len(c) > 1))
+                      .filter(lambda v: v not in choices(f.metadata)), label=f"{section}.{f.name}")
     if cli:
         r = invoke(["--config", "debug_2d", f"--{section}.{f.name}={value}"])
         where = f"command line: --{section}.{f.name}={value}"

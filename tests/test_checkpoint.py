@@ -130,14 +130,14 @@ def test_incomplete_and_half_written_folders_are_not_checkpoints(tmp_path):
 
 def test_training_starts_from_a_hugging_face_folder(tmp_path):
     """Fine-tuning a released model: the first loss is that of the Hugging Face weights."""
-    import train as trainer
     from models.llama.hf import save_hf
-    from training.config import load_config
+    from training import recipe
+    from training.config_loader import load_config
     from training.data import build_dataloader, build_tokenizer
     from training.step import cross_entropy
 
     cfg = load_config("debug_2d", args(tmp_path, "hf", "--parallelism.dp_shard=1", "--parallelism.tp=1")[2:])
-    model = trainer.build_model(cfg, build_tokenizer("byte").vocab_size)
+    model = recipe.build_model(cfg, build_tokenizer("byte").vocab_size)
     model.init_weights(seed=5)  # not the run's seed 0: the loss shows which weights were used
     save_hf(((n, p.detach()) for n, p in model.named_parameters()), model.cfg, tmp_path / "hf_model")
     data, _ = build_dataloader(cfg.training, dp_rank=0, dp_size=1)
@@ -170,3 +170,17 @@ def test_a_checkpoint_of_another_experiment_is_refused_unless_told_to_resume(out
     proc = _train_cli(*args(out, "differs", *one, "--optimizer.lr=0.5", "--checkpoint.if_config_differs=resume"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed at step 6" in proc.stdout
+
+
+def test_a_key_the_schema_gained_or_lost_since_the_save_is_no_difference():
+    """A checkpoint written before [model] n_layers existed (and with [job] debug, since
+    removed) resumes; a real change of setting is still named."""
+    from training.checkpoint import config_differences
+    from training.config_loader import config_to_toml, load_config
+
+    now = config_to_toml(load_config("debug_2d"))
+    then = now.replace("n_layers = 0\n", "").replace("[job]\n", "[job]\ndebug = false\n")
+    assert then != now and config_differences(then, now) == []
+    assert config_differences(then.replace("lr = 0.001", "lr = 0.002"), now) == [
+        "[optimizer] lr: 0.002 then, 0.001 now"]
+

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from training.config import load_config
-from training.dry_run import GiB, dry_run
+from training.config_loader import load_config
+from planning.dry_run import GiB, dry_run
 
 
 def model_states(report) -> int:

@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from parallel import LayoutError, ParallelDims, parallelize
 from parallel.init import canonical_name
-from tests.conftest import torchrun
+from tests.conftest import train_layouts
 from tests.oracle import assert_clipping_binds, assert_matches, run_oracle
 from tests.workers import hf_models
 from training.step import pipeline_loss_fn, train_step
@@ -30,10 +30,8 @@ from training.step import pipeline_loss_fn, train_step
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One 4-process torchrun job trains every layout in turn."""
-    out = tmp_path_factory.mktemp("hf_models")
-    proc = torchrun("tests/workers/hf_models.py", str(out), *hf_models.LAYOUTS, nproc=4, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {name: torch.load(out / f"{name}.pt") for name in hf_models.LAYOUTS}
+    return train_layouts("tests/workers/hf_models.py", tmp_path_factory.mktemp("hf_models"), hf_models.LAYOUTS,
+                         nproc=4)
 
 
 def oracle_for(family: str, init: dict):

@@ -1,7 +1,7 @@
 import torch
 
+from planning.hardware import gpu_of_device
 from training.metrics import (
-    PEAK_BF16_FLOPS,
     MetricsLogger,
     device_peak_flops,
     flops_per_token,
@@ -17,7 +17,12 @@ def test_flops_per_token_by_hand():
 
 def test_peak_flops():
     assert device_peak_flops(torch.device("cpu")) is None
-    assert PEAK_BF16_FLOPS["H100"] == 989e12 and PEAK_BF16_FLOPS["A100"] == 312e12
+    # The longest name that matches wins: a PCIe H100 is not read as an SXM one.
+    assert gpu_of_device("NVIDIA H100 80GB HBM3").peak_bf16_flops == 989e12
+    assert gpu_of_device("NVIDIA H100 PCIe").peak_bf16_flops == 756e12
+    assert gpu_of_device("NVIDIA H100 NVL").peak_bf16_flops == 835e12
+    assert gpu_of_device("NVIDIA A100-SXM4-80GB").peak_bf16_flops == 312e12
+    assert gpu_of_device("NVIDIA GeForce RTX 4090") is None
 
 
 def test_memory_stats_cpu():

@@ -9,17 +9,14 @@ import pytest
 import torch
 
 from tests import oracle
-from tests.conftest import torchrun
+from tests.conftest import train_layouts
 from tests.workers import parity
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One 4-process torchrun job trains every layout in turn (one start-up, not one per layout)."""
-    out = tmp_path_factory.mktemp("parity")
-    proc = torchrun("tests/workers/parity.py", str(out), *parity.LAYOUTS, nproc=4, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {name: torch.load(out / f"{name}.pt") for name in parity.LAYOUTS}
+    return train_layouts("tests/workers/parity.py", tmp_path_factory.mktemp("parity"), parity.LAYOUTS, nproc=4)
 
 
 def _world(layout: str) -> int:
@@ -29,12 +26,11 @@ def _world(layout: str) -> int:
 @pytest.fixture(scope="module")
 def pp_runs(tmp_path_factory):
     """One torchrun job per world size, each training its pipeline layouts in turn."""
-    out = tmp_path_factory.mktemp("parity_pp")
+    out, runs = tmp_path_factory.mktemp("parity_pp"), {}
     for nproc in sorted({_world(name) for name in parity.PP_LAYOUTS}):
         names = [name for name in parity.PP_LAYOUTS if _world(name) == nproc]
-        proc = torchrun("tests/workers/parity.py", str(out), *names, nproc=nproc, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {name: torch.load(out / f"{name}.pt") for name in parity.PP_LAYOUTS}
+        runs.update(train_layouts("tests/workers/parity.py", out, names, nproc=nproc))
+    return runs
 
 
 _oracles = {}
@@ -131,11 +127,10 @@ FAULT_LAYOUT = "pp2_dp2"  # pipeline + data parallel + micro-batches + clipping 
 
 @pytest.fixture(scope="module")
 def faulty_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("faults")
     names = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS]
-    proc = torchrun("tests/workers/parity.py", str(out), *names, nproc=_world(FAULT_LAYOUT), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {name.partition("+")[2]: torch.load(out / f"{name}.pt") for name in names}
+    runs = train_layouts("tests/workers/parity.py", tmp_path_factory.mktemp("faults"), names,
+                         nproc=_world(FAULT_LAYOUT))
+    return {name.partition("+")[2]: result for name, result in runs.items()}
 
 
 @pytest.mark.parametrize("fault", parity.FAULTS)

@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-import train
+from training import recipe
 from models.llama import Llama
 from parallel import LayoutError, submesh
 from parallel.pipeline import SCHEDULES, check_pipeline, split_into_stages, split_layers, stage_ids
 from tests.conftest import ROOT
-from training.config import load_config
+from training.config_loader import load_config
 
 
 def test_thirty_layers_on_four_stages_put_the_extra_layers_in_the_middle():
@@ -79,9 +79,8 @@ def test_impossible_pipelines_are_layout_errors(kwargs, message):
 ])
 def test_bad_pipeline_configs_name_the_setting_before_any_process_group(override, message):
     cfg = load_config("debug_3d", [override])
-    dims = train.build_parallel_dims(cfg, world_size=8)
     with pytest.raises(LayoutError, match=message) as err:
-        train.check_layout(cfg, dims, train.build_model(cfg, tokenizer_vocab=258))
+        recipe.plan_layout(cfg, recipe.build_model(cfg, tokenizer_vocab=258), world_size=8)
     assert 'pp_schedule = "1F1B"' in str(err.value)
 
 
@@ -90,10 +89,10 @@ def test_llama405b_3d_builds_at_512_ranks_with_each_stage_on_its_ranks(fake_worl
     cfg = load_config(ROOT / "configs" / "llama405b_3d.toml")
     cfg.job.device = "cpu"  # the same layout checks; CI has no GPU
     fake_world(512, rank=rank)
-    dims = train.build_parallel_dims(cfg, world_size=512)
+    model = recipe.build_model(cfg, tokenizer_vocab=258)
+    layout = recipe.plan_layout(cfg, model, world_size=512)
+    dims, layers = layout.dims, layout.stage_layers
     assert (dims.pp, dims.dp_shard, dims.tp) == (8, 8, 8)
-    model = train.build_model(cfg, tokenizer_vocab=258)
-    layers = train.check_layout(cfg, dims, model)
     assert len(layers) == 16 and sum(layers, []) == list(range(126))
     mesh = dims.build_mesh("cpu")
     pp_mesh = submesh(mesh, "pp")
@@ -105,7 +104,7 @@ def test_llama405b_3d_builds_at_512_ranks_with_each_stage_on_its_ranks(fake_worl
         assert sorted(int(k) for k in part.layers) == layers[index]
         assert (part.tok_embeddings is not None) == (index == 0)
         assert (part.output is not None) == (index == 15)
-        part = train.parallelize_model(part, mesh, cfg)
+        part = recipe.parallelize_part(part, mesh, cfg, layout)
         local = sum(p.to_local().numel() for p in part.parameters())
         full = sum(p.numel() for p in part.parameters())
         assert all(p.is_meta for p in part.parameters())

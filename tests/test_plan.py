@@ -8,18 +8,18 @@ import sys
 
 import pytest
 
-import train
+from training import recipe
 from models.llama import Llama
 from parallel import ParallelDims, check_tp_fits
-from parallel.cost import (BF16, FP32, Job, Layout, ModelShape, estimate, fsdp2_model_states, fsdp_rounds,
+from planning.cost import (BF16, FP32, Job, Layout, ModelShape, estimate, fsdp2_model_states, fsdp_rounds,
                            layer_activation_bytes, memory_per_gpu, rank_local_params, rank_shares,
                            zero_model_states)
-from parallel.fsdp import fsdp_mesh
-from parallel.hardware import GIB, get_gpu
+from parallel.fsdp import check_strategy
+from planning.hardware import GIB, get_gpu
 from parallel.pipeline import check_pipeline
-from parallel.plan import HEADROOM, _Degrees, plan, resolve_model, run, to_toml
+from planning.plan import HEADROOM, plan, resolve_model, run, to_toml
 from tests.conftest import ROOT
-from training.config import load_config
+from training.config_loader import load_config
 from training.metrics import flops_per_token
 
 H100 = get_gpu("h100-80gb")
@@ -149,8 +149,8 @@ def test_70b_on_64_h100_finds_fitting_layouts_that_train_py_accepts(job70, plan7
         assert ParallelDims(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, pp=lay.pp,
                             world_size=64).dp == lay.dp
         check_tp_fits(lay.tp, job70.model.tp_divisible, seq_len=8192, gpus_per_node=8)
-        mesh = _Degrees({"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp})
-        assert fsdp_mesh(mesh, lay.strategy) is not None
+        degrees = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp}
+        assert check_strategy(lay.strategy, degrees) == lay.strategy  # what parallelize accepts
         if lay.pp > 1:
             check_pipeline(pp=lay.pp, n_layers=80, schedule=lay.pp_schedule, stages_per_rank=lay.stages_per_rank,
                            n_microbatches=lay.pp_microbatches, local_batch=512 // lay.dp)
@@ -170,7 +170,7 @@ def test_the_written_config_loads_and_passes_train_py_checks(job70, plan70, tmp_
     piped = next(e for e in fitting if e.layout.pp > 1 and e.layout.stages_per_rank > 1)
     for e in (best, piped):
         path = tmp_path / f"plan_{e.layout.pp}.toml"
-        path.write_text(to_toml(e, job70, path.stem, "python -m parallel.plan ..."))
+        path.write_text(to_toml(e, job70, path.stem, "python -m planning.plan ..."))
         cfg = load_config(path)
         p = cfg.parallelism
         assert p.tp * p.pp * p.dp_replicate * p.dp_shard == 64
@@ -179,8 +179,26 @@ def test_the_written_config_loads_and_passes_train_py_checks(job70, plan70, tmp_
         assert cfg.activation_checkpoint.mode == e.layout.ac and cfg.model.vocab_size == 128256
         # The same pre-flight checks train.py runs before any process group (on CPU here).
         cfg = load_config(path, ["--job.device=cpu"])
-        dims = train.build_parallel_dims(cfg, world_size=64)
-        train.check_layout(cfg, dims, train.build_model(cfg, tokenizer_vocab=258))
+        recipe.plan_layout(cfg, recipe.build_model(cfg, tokenizer_vocab=258), world_size=64)
+
+
+def test_another_family_is_planned_and_written_as_that_family(tmp_path):
+    """GPT-3 175B through the registry: the written config names its family, so train.py
+    builds that model (a bare flavor would be read as a Llama's), and passes its checks."""
+    job = Job(resolve_model("gpt2:175B"), H100, nodes=16, gpus_per_node=8, seq_len=2048, global_batch=256)
+    fitting, _, _ = plan(job)
+    assert fitting and 174e9 < job.model.n_params < 175e9
+    path = tmp_path / "gpt3.toml"
+    path.write_text(to_toml(fitting[0], job, path.stem, "python -m planning.plan ..."))
+    cfg = load_config(path, ["--job.device=cpu"])
+    assert (cfg.model.name, cfg.model.flavor) == ("gpt2", "175B")
+    recipe.plan_layout(cfg, recipe.build_model(cfg, tokenizer_vocab=258), world_size=128)
+
+
+def test_a_sequence_longer_than_learned_positions_is_refused_as_train_py_would(capsys):
+    assert run(["--model", "gpt2:175B", "--nodes", "16", "--gpu", "h100", "--seq-len", "8192",
+                "--global-batch", "256"]) == 2
+    assert "2048 learned positions" in capsys.readouterr().err
 
 
 def test_405b_on_one_node_does_not_fit_and_says_by_how_much(capsys):
@@ -198,7 +216,7 @@ def test_405b_on_one_node_does_not_fit_and_says_by_how_much(capsys):
 # ---------------------------------------------------------------- the command line
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "parallel.plan", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "planning.plan", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -214,7 +232,7 @@ def test_cli_prints_a_table_and_writes_a_loadable_config(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "13B"], "unknown model '13B'"),
+    (["--model", "13B"], "unknown llama model '13B'"),
     (["--gpu", "v100"], "unknown GPU 'v100'"),
     (["--global-batch", "7"], "--global-batch 7 is not divisible"),
     (["--gpus-per-node", "1"], "FSDP needs at least 2"),

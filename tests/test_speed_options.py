@@ -16,12 +16,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import train
 from models.llama import Llama
-from parallel import apply_ac, apply_fsdp, mixed_precision_policy, parallelize
+from parallel import ParallelDims, apply_ac, apply_fsdp, mixed_precision_policy, parallelize
 from parallel.float8 import apply_float8
 from tests.conftest import ROOT
-from training.config import ConfigError, load_config
+from training import recipe
+from training.config import ConfigError
+from training.config_loader import load_config
 from training.metrics import TrackedActivations
 from training.step import compile_loss, cross_entropy, train_step
 
@@ -180,7 +181,7 @@ def test_op_mode_and_the_new_keys_are_accepted_and_typos_get_a_suggestion():
 def test_async_tp_is_refused_before_the_process_group_naming_each_missing_piece():
     cfg = cfg_with("--compile.async_tp=true", "--parallelism.tp=1")
     with pytest.raises(ConfigError) as err:
-        train.check_speed_options(cfg, train.build_parallel_dims(cfg, world_size=1))
+        recipe.check_speed_options(cfg, dims_of(cfg, 1))
     msg = str(err.value)
     assert msg.startswith("[compile] async_tp = true cannot run here")
     assert "needs CUDA" in msg and "[compile] enable must be true" in msg and "tp must be > 1" in msg
@@ -198,7 +199,7 @@ def test_async_tp_is_refused_by_parallelize_on_cpu(fake_world):
 def test_float8_without_torchao_names_the_pip_package():
     cfg = cfg_with("--float8.enable=true")
     with pytest.raises(ConfigError) as err:
-        train.check_speed_options(cfg, train.build_parallel_dims(cfg, world_size=1))
+        recipe.check_speed_options(cfg, dims_of(cfg, 1))
     msg = str(err.value)
     assert msg.startswith("[float8] enable = true cannot run here")
     assert "pip install torchao" in msg and "CUDA" in msg
@@ -211,7 +212,7 @@ def test_float8_with_torchao_but_no_gpu_or_with_tp_says_so(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
     cfg = cfg_with("--float8.enable=true", "--parallelism.tp=2", "--parallelism.dp_shard=1")
     with pytest.raises(ConfigError) as err:
-        train.check_speed_options(cfg, train.build_parallel_dims(cfg, world_size=2))
+        recipe.check_speed_options(cfg, dims_of(cfg, 2))
     msg = str(err.value)
     assert "pip install" not in msg
     assert "needs a CUDA GPU with compute capability >= 8.9" in msg and "tp = 2" in msg
@@ -234,7 +235,9 @@ def test_float8_would_convert_every_linear_but_the_output_head(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", fake)
     monkeypatch.setattr(float8, "float8_unavailable", lambda *a, **k: None)
 
-    converted = apply_float8(Llama.from_flavor("debug", meta=True))
+    from models import registry
+
+    converted = apply_float8(Llama.from_flavor("debug", meta=True), skip=registry.get("llama").high_precision)
     assert converted == asked and "output" not in converted
     assert len(converted) == 4 * 7  # wq wk wv wo w1 w2 w3 in each of the 4 blocks
 
@@ -246,7 +249,7 @@ def test_float8_would_convert_every_linear_but_the_output_head(monkeypatch):
 
 def test_options_that_can_run_pass_the_check():
     cfg = cfg_with("--compile.enable=true", "--compile.loss=true", "--activation_checkpoint.mode=op")
-    train.check_speed_options(cfg, train.build_parallel_dims(cfg, world_size=1))
+    recipe.check_speed_options(cfg, dims_of(cfg, 1))
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -270,3 +273,9 @@ def test_bench_cpu_mode_prints_both_variants_and_writes_json(tmp_path):
     # Same weights, same data, fp32, and checkpointing changes no math: the same losses.
     assert ours["final_loss"] == pytest.approx(base["final_loss"], rel=1e-6)
     assert ours["activation_mib"] < base["activation_mib"]  # op checkpointing against none
+
+
+def dims_of(cfg, world_size: int) -> ParallelDims:
+    p = cfg.parallelism
+    return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world_size)
+

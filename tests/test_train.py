@@ -9,11 +9,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import train
-from parallel import ParallelDims
+from training import recipe
 from tests import oracle, train_oracle
 from tests.conftest import ROOT, torchrun
-from training.config import load_config
+from training.config_loader import load_config
 
 
 def scalars(run_dir, tag):
@@ -206,15 +205,14 @@ def test_print_config_shows_merged_values():
 def test_llama70b_2d_config_builds_its_mesh_at_64_ranks(fake_world):
     cfg = load_config(ROOT / "configs" / "llama70b_2d.toml")
     fake_world(64, rank=9)
-    dims = train.build_parallel_dims(cfg, world_size=64)
-    assert (dims.dp_shard, dims.tp) == (8, 8)
-    model = train.build_model(cfg, tokenizer_vocab=258)
     cfg.job.device = "cpu"  # same layout checks; no GPU in CI
-    train.check_layout(cfg, dims, model)
-    mesh = dims.build_mesh("cpu")
+    model = recipe.build_model(cfg, tokenizer_vocab=258)
+    layout = recipe.plan_layout(cfg, model, world_size=64)
+    assert (layout.dims.dp_shard, layout.dims.tp) == (8, 8)
+    mesh = layout.dims.build_mesh("cpu")
     assert mesh.mesh_dim_names == ("dp_shard", "tp")
     assert mesh["tp"].mesh.tolist() == list(range(8, 16))  # rank 9's node
-    model = train.parallelize_model(model, mesh, cfg)
+    model = recipe.parallelize_part(model, mesh, cfg, layout)
     assert sum(p.numel() for p in model.parameters()) > 70e9
 
 
@@ -224,19 +222,12 @@ def test_gpt2_175b_config_shards_its_tied_weight_once_at_128_ranks(fake_world):
     cfg = load_config(ROOT / "configs" / "gpt2_175b.toml")
     cfg.job.device = "cpu"
     fake_world(128, rank=0)
-    dims = train.build_parallel_dims(cfg, world_size=128)
-    model = train.build_model(cfg, tokenizer_vocab=258)
-    train.check_layout(cfg, dims, model)
+    model = recipe.build_model(cfg, tokenizer_vocab=258)
+    layout = recipe.plan_layout(cfg, model, world_size=128)
     assert 174e9 < sum(p.numel() for p in model.parameters()) < 175e9  # the tied weight counted once
-    model = train.parallelize_model(model, dims.build_mesh("cpu"), cfg)
+    model = recipe.parallelize_part(model, layout.dims.build_mesh("cpu"), cfg, layout)
     wte = model.wte.weight
     assert model.lm_head.weight is wte  # still one weight after TP and FSDP
     assert wte.placements[-1] == Shard(0) and wte.to_local().shape == (50304 // 128, 12288)
 
 
-def test_llama_flavors_in_config_match_the_model_registry():
-    from models.llama import FLAVORS
-    from training.config import LLAMA_FLAVORS
-
-    assert tuple(FLAVORS) == LLAMA_FLAVORS
-    assert isinstance(ParallelDims(world_size=1), ParallelDims)

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import train
 from tests import oracle
-from training.config import parse_args
+from training import recipe
+from training.config_loader import parse_args
 from training.data import build_dataloader, build_tokenizer
 
 
@@ -23,7 +23,7 @@ def oracle_for(*argv: str, with_unclipped: bool = False) -> oracle.Oracle:
     """The reference run of ``train.py *argv`` (layout flags do not matter: it is one process)."""
     cfg, _ = parse_args(list(argv))
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
-    shape = train.build_model(cfg, build_tokenizer(t.tokenizer).vocab_size)  # on meta: only its class and config
+    shape = recipe.build_model(cfg, build_tokenizer(t.tokenizer).vocab_size)  # on meta: only its class and config
 
     def make():
         model = type(shape)(shape.cfg)

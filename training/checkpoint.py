@@ -74,25 +74,31 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 
 # What may change between a run and its resumption without making it another experiment:
 # the layout (checkpoints reshard), the length of the run, logging, checkpointing, timeouts.
-_MAY_CHANGE = {"job": {"name", "output_dir", "description", "device", "debug"}, "training": {"steps", "local_batch_size"},
+_MAY_CHANGE = {"job": {"name", "output_dir", "description", "device"}, "training": {"steps", "local_batch_size"},
                "parallelism": None, "checkpoint": None, "metrics": None, "comm": None,
                "activation_checkpoint": None, "compile": None}
 
 
 def config_differences(saved_toml: str, current_toml: str) -> list[str]:
     """Settings that differ between two configs, except those a resume may change."""
-    from training.config import tomllib
+    from training.config_loader import tomllib
+
+    from training.config import JobConfig
+    from training.config_loader import config_to_dict
 
     saved, current = tomllib.loads(saved_toml), tomllib.loads(current_toml)
+    # A key the schema has gained since the save stood at its default then; a key it has
+    # lost since changes nothing now.
+    defaults = config_to_dict(JobConfig())
     found = []
-    for section in sorted(set(saved) | set(current)):
+    for section in sorted(current):
         allowed = _MAY_CHANGE.get(section, set())
         if allowed is None:
             continue
-        a, b = saved.get(section, {}), current.get(section, {})
-        for key in sorted(set(a) | set(b)):
-            if key not in allowed and a.get(key) != b.get(key):
-                found.append(f"[{section}] {key}: {a.get(key)!r} then, {b.get(key)!r} now")
+        a, b = {**defaults.get(section, {}), **saved.get(section, {})}, current[section]
+        for key in sorted(b):
+            if key not in allowed and a.get(key) != b[key]:
+                found.append(f"[{section}] {key}: {a.get(key)!r} then, {b[key]!r} now")
     return found
 
 

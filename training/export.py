@@ -1,5 +1,5 @@
-"""Export a training checkpoint to Hugging Face Llama format or one consolidated torch file
-(any model family).
+"""Export a training checkpoint to Hugging Face format (families with a converter in
+models/registry.py: Llama) or one consolidated torch file (any family).
 
     python -m training.export CHECKPOINT_DIR OUT --format hf|torch [--dtype bfloat16|float32]
 
@@ -26,16 +26,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from models.gpt2.model import GPT2, GPT2Config
-from models.llama.model import Llama, LlamaConfig
-from training.checkpoint_reader import SafeReader
-from training.config import tomllib
+from models import registry
 from parallel.init import canonical_name
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-MODELS = {"llama": (LlamaConfig, Llama), "gpt2": (GPT2Config, GPT2)}
+from training.checkpoint_reader import SafeReader
+from training.config import DTYPES
+from training.config_loader import tomllib
 
 
 def read_family(checkpoint_dir: str | Path) -> str:
@@ -47,14 +42,15 @@ def read_family(checkpoint_dir: str | Path) -> str:
     return tomllib.loads(path.read_text()).get("model", {}).get("name", "llama")
 
 
-def read_model_config(checkpoint_dir: str | Path) -> LlamaConfig | GPT2Config:
+def read_model_config(checkpoint_dir: str | Path):
+    """The model's config dataclass, of the family that wrote the checkpoint."""
     path = Path(checkpoint_dir) / "model_config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the checkpoint does not say which model it holds")
     family = read_family(checkpoint_dir)
-    if family not in MODELS:
-        raise ValueError(f"{path}: unknown model family {family!r}; known: {', '.join(MODELS)}")
-    cls = MODELS[family][0]
+    if family not in registry.FAMILIES:
+        raise ValueError(f"{path}: unknown model family {family!r}; known: {', '.join(registry.FAMILIES)}")
+    cls = registry.get(family).config_class()
     fields = json.loads(path.read_text())
     known = {f.name for f in dataclasses.fields(cls)}
     if unknown := sorted(set(fields) - known):
@@ -102,18 +98,16 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
         raise FileNotFoundError(f"checkpoint folder {checkpoint_dir} does not exist")
     cfg = read_model_config(checkpoint_dir)
     tensors = model_tensors(checkpoint_dir, dtype)
+    family = registry.get(read_family(checkpoint_dir))
     if fmt == "hf":
-        from models.llama.hf import save_hf
-
-        if not isinstance(cfg, LlamaConfig):
-            raise ValueError(f"{checkpoint_dir} holds a {type(cfg).__name__} model; Hugging Face "
-                             "export is for Llama checkpoints. Use --format torch")
-
-        save_hf(tensors, cfg, out)
+        if not family.hf:
+            raise ValueError(f"{checkpoint_dir} holds a {family.name} model, which has no Hugging Face "
+                             "converter (models/registry.py); Hugging Face export is for Llama. Use --format torch")
+        family.hf_module().save_hf(tensors, cfg, out)
     else:
         state = dict(tensors)
         with torch.device("meta"):  # only to ask which names are one weight
-            ties = MODELS[read_family(checkpoint_dir)][1](cfg).tied_weights()
+            ties = family.model_class()(cfg).tied_weights()
         for names in ties:
             # One tensor under every name (stored once), as the model's state_dict has it.
             for name in names[1:]:
@@ -127,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint_dir", help="a DCP checkpoint folder (one step's)")
     parser.add_argument("out", help="format hf: output folder; format torch: output file")
     parser.add_argument("--format", choices=("hf", "torch"), required=True)
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="convert weights (default: as stored)")
+    parser.add_argument("--dtype", choices=DTYPES, help="convert weights (default: as stored)")
     args = parser.parse_args(argv)
     try:
-        export(args.checkpoint_dir, args.out, args.format, DTYPES.get(args.dtype))
+        export(args.checkpoint_dir, args.out, args.format, getattr(torch, args.dtype) if args.dtype else None)
     except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: no safetensors
         print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-GIB = 1024**3
+from planning.hardware import GIB, gpu_of_device
 
 
 def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, dim: int,
@@ -34,25 +34,22 @@ def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, d
     return 6.0 * (num_params - num_embedding_params) + 12.0 * n_layers * dim * seq_len
 
 
-# Dense bf16 tensor-core peak from the vendor spec sheets (no 2:4 sparsity), matched as a
-# substring of torch.cuda.get_device_name(); the longest match wins, so "H100 PCIe" beats
-# "H100" (SXM).
-PEAK_BF16_FLOPS: dict[str, float] = {
-    "H100": 989e12,
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,  # 1,671 with 2:4 sparsity
-    "H200": 989e12,
-    "A100": 312e12,
-}
+def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """`flops_per_token` of a whole model (on meta is fine): its embedding tables are
+    lookups, except one tied to the output layer, which is also that matmul."""
+    n = sum(p.numel() for p in model.parameters())  # a tied weight once
+    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    lookups -= sum(model.get_parameter(names[0]).numel() for names in model.tied_weights())
+    return flops_per_token(n, lookups, model.cfg.n_layers, model.cfg.dim, seq_len)
 
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """Peak dense bf16 FLOP/s of one ``device``; None on CPU or an unknown GPU (no MFU then)."""
+    """Dense bf16 peak FLOP/s of one ``device`` (planning/hardware.py's table, matched by
+    name); None on CPU or an unknown GPU (no MFU then, rather than a guess)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    matches = [key for key in PEAK_BF16_FLOPS if key in name]
-    return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None
+    gpu = gpu_of_device(torch.cuda.get_device_name(device))
+    return gpu.peak_bf16_flops if gpu else None
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

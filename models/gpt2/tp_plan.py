@@ -14,45 +14,26 @@ embedding: that is what lets the tied weight stay one DTensor under TP.
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from models.common import megatron_block_plan, vocab_parallel_ends
 
 
 def gpt2_tp_plan(model, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
     """Module-name pattern -> ParallelStyle, for `parallelize_module`."""
-    between = Shard(1) if sequence_parallel else Replicate()
-    norm_style = SequenceParallel() if sequence_parallel else None
-
+    embedding, output = vocab_parallel_ends(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     plan = {}
     if model.wte is not None:
-        plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
-        plan["wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+        plan["wte"] = embedding
+        plan["wpe"] = embedding  # positions split by rows too: both lookups arrive sharded alike
     if model.lm_head is not None:
-        if norm_style is not None:
-            plan["ln_f"] = norm_style
-        plan["lm_head"] = ColwiseParallel(
-            input_layouts=between,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    block = {
-        "attn": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        "attn.wq": ColwiseParallel(),
-        "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=between),
-        "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        "mlp.fc": ColwiseParallel(),
-        "mlp.proj": RowwiseParallel(output_layouts=between),
-    }
-    if norm_style is not None:
-        block["ln_1"] = norm_style
-        block["ln_2"] = norm_style
+        if sequence_parallel:
+            plan["ln_f"] = SequenceParallel()
+        plan["lm_head"] = output
+    block = megatron_block_plan(
+        attention="attn", qkv=["attn.wq", "attn.wk", "attn.wv"], attention_out="attn.wo",
+        mlp="mlp", mlp_in=["mlp.fc"], mlp_out="mlp.proj", norms=["ln_1", "ln_2"],
+        sequence_parallel=sequence_parallel)
     for name in model.layers:
         plan.update({f"layers.{name}.{key}": style for key, style in block.items()})
     return plan

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from models.llama.model import LlamaConfig
+from models.llama.config import LlamaConfig
 from parallel.init import canonical_name, materialize
 
 # Inside layers.N. (ours) / model.layers.N. (theirs).

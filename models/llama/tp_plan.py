@@ -9,13 +9,9 @@ of the FFN width with no communication in between.
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from models.common import megatron_block_plan, vocab_parallel_ends
 
 
 def llama_tp_plan(model, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
@@ -25,38 +21,19 @@ def llama_tp_plan(model, *, sequence_parallel: bool = True, loss_parallel: bool 
     computed under `torch.distributed.tensor.parallel.loss_parallel()`: the full
     [batch, seq, vocab] logits never exist on one rank.
     """
-    # Activations between blocks: sharded on the sequence dim (SP) or replicated.
-    between = Shard(1) if sequence_parallel else Replicate()
-    norm_style = SequenceParallel() if sequence_parallel else None
-
+    embedding, output = vocab_parallel_ends(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     plan = {}
     if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
-    if model.norm is not None and norm_style is not None:
-        plan["norm"] = norm_style
+        plan["tok_embeddings"] = embedding
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
     if model.output is not None:
-        plan["output"] = ColwiseParallel(
-            input_layouts=between,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    block = {
-        # The rotary tables (cos, sin) are plain tensors every rank already has.
-        "attention": PrepareModuleInput(
-            input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None)
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=between),
-        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=between),
-    }
-    if norm_style is not None:
-        block["attention_norm"] = norm_style
-        block["ffn_norm"] = norm_style
+        plan["output"] = output
+    block = megatron_block_plan(
+        attention="attention", qkv=["attention.wq", "attention.wk", "attention.wv"], attention_out="attention.wo",
+        mlp="feed_forward", mlp_in=["feed_forward.w1", "feed_forward.w3"], mlp_out="feed_forward.w2",
+        norms=["attention_norm", "ffn_norm"], sequence_parallel=sequence_parallel,
+        extra_inputs=2)  # the rotary tables (cos, sin): plain tensors every rank already has
     for name in model.layers:
         plan.update({f"layers.{name}.{key}": style for key, style in block.items()})
     return plan

@@ -1,12 +1,12 @@
-"""Rank parallel layouts for a Llama on a cluster, on a laptop, in seconds.
+"""Rank parallel layouts for a model on a cluster, on a laptop, in seconds.
 
-    python -m parallel.plan --model llama3_70b --nodes 8 --gpus-per-node 8 --gpu h100-80gb \\
+    python -m planning.plan --model llama3_70b --nodes 8 --gpus-per-node 8 --gpu h100-80gb \\
            --seq-len 8192 --global-batch 512 [--top 10] [--write best.toml]
 
 Enumerates every layout train.py accepts (tp inside a node x pp x dp_replicate x dp_shard,
 micro-batch size, pipeline schedule and micro-batches, activation checkpointing, FSDP
 strategy), drops those that do not fit in memory, and ranks the rest by estimated
-tokens/s per GPU. The formulas are in parallel/cost.py and docs/planning.md: estimates to
+tokens/s per GPU. The formulas are in planning/cost.py and docs/planning.md: estimates to
 choose between layouts, not measurements. `train.py --dry-run` measures the memory.
 """
 
@@ -18,10 +18,10 @@ import math
 import sys
 from collections import Counter
 
-from parallel.cost import Estimate, Job, Layout, ModelShape, estimate, memory_per_gpu
-from parallel.fsdp import fsdp_mesh
-from parallel.hardware import GIB, GPUS, get_gpu
+from parallel.fsdp import check_strategy
 from parallel.mesh import LayoutError, ParallelDims, check_tp_fits
+from planning.cost import Estimate, Job, Layout, ModelShape, estimate, memory_per_gpu
+from planning.hardware import GIB, GPUS, get_gpu
 
 # Fraction of HBM left free for what the formulas do not count: the caching allocator's
 # fragmentation, the CUDA context, NCCL and cuBLAS workspaces.
@@ -38,35 +38,26 @@ class PlanError(ValueError):
 
 
 def resolve_model(name: str) -> ModelShape:
-    from models.llama import FLAVORS
+    """A Llama flavor ("70B", "llama3_70b") or any family's as "family:flavor" ("gpt2:175B")."""
+    from models import registry
 
-    by_lower = {k.lower(): k for k in FLAVORS}
-    flavor = MODEL_ALIASES.get(name.lower()) or by_lower.get(name.lower())
-    if flavor is None:
-        accepted = ", ".join([*FLAVORS, *MODEL_ALIASES])
-        raise PlanError(f"unknown model {name!r}; accepted: {accepted}")
-    return ModelShape.from_flavor(flavor, None if flavor == "debug" else LLAMA3_VOCAB)
+    family, _, flavor = name.rpartition(":")
+    family = family or "llama"
+    if family not in registry.FAMILIES:
+        raise PlanError(f"unknown model family {family!r}; accepted: {', '.join(registry.FAMILIES)}")
+    flavors = registry.get(family).flavors
+    by_lower = {k.lower(): k for k in flavors}
+    found = (MODEL_ALIASES.get(flavor.lower()) if family == "llama" else None) or by_lower.get(flavor.lower())
+    if found is None:
+        accepted = ", ".join([*flavors, *(MODEL_ALIASES if family == "llama" else ())])
+        raise PlanError(f"unknown {family} model {flavor!r}; accepted: {accepted} (other families: "
+                        f"{', '.join(f + ':FLAVOR' for f in registry.FAMILIES if f != family)})")
+    vocab = LLAMA3_VOCAB if family == "llama" and found != "debug" else None
+    return ModelShape.from_flavor(found, vocab, family)
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-class _Degrees:
-    """Just enough of a DeviceMesh (dimension names and sizes, degree-1 ones left out as
-    ParallelDims.build_mesh does) for parallel.fsdp's rules, so the planner refuses exactly
-    the strategy/degree combinations `parallelize` refuses."""
-
-    def __init__(self, sizes: dict[str, int]):
-        self.sizes = {name: size for name, size in sizes.items() if size > 1}
-        self.mesh_dim_names = tuple(self.sizes)
-
-    def __getitem__(self, names):
-        names = (names,) if isinstance(names, str) else names
-        return _Degrees({n: self.sizes[n] for n in names})
-
-    def size(self) -> int:
-        return math.prod(self.sizes.values())
 
 
 def check_layout(job: Job, lay: Layout) -> None:
@@ -77,8 +68,9 @@ def check_layout(job: Job, lay: Layout) -> None:
     check_tp_fits(lay.tp, job.model.tp_divisible, seq_len=job.seq_len, gpus_per_node=job.gpus_per_node)
     if job.global_batch % lay.dp:
         raise LayoutError(f"global batch {job.global_batch} is not divisible by dp = {lay.dp}")
-    mesh = _Degrees({"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp})
-    if fsdp_mesh(mesh, lay.strategy) is None:
+    check_strategy(lay.strategy, {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+                                  "tp": lay.tp})
+    if lay.dp_shard == 1:
         raise LayoutError("no data-parallel sharding: model states would be held whole on every GPU")
 
 
@@ -189,8 +181,8 @@ def to_toml(e: Estimate, job: Job, name: str, command: str) -> str:
         f"#            --rdzv-endpoint=HOST:29500 train.py --config {name}.toml",
         "",
         "[job]", f'name = "{name}"', 'output_dir = "outputs"',
-        f'description = "Llama {m.flavor}: {describe(lay)}"', 'device = "cuda"', "",
-        "[model]", f'flavor = "{m.flavor}"', f"vocab_size = {m.vocab}", "",
+        f'description = "{m.family} {m.flavor}: {describe(lay)}"', 'device = "cuda"', "",
+        "[model]", f'name = "{m.family}"', f'flavor = "{m.flavor}"', f"vocab_size = {m.vocab}", "",
         "[training]", f"global_batch_size = {job.global_batch}",
         f"local_batch_size = {local}" + ("" if lay.pp > 1 else
                                           f"      # {lay.micro_batches(job)} accumulation step(s)"),
@@ -210,8 +202,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = _Parser(prog="python -m parallel.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="8B, 70B, 405B, debug, or llama3_70b etc.")
+    p = _Parser(prog="python -m planning.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a Llama flavor (8B, 70B, 405B, debug, llama3_70b...), "
+                   "or family:flavor for another family (gpt2:175B)")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
@@ -246,11 +239,14 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1]")
         gpu = dataclasses.replace(gpu, matmul_efficiency=args.efficiency)
     job = Job(resolve_model(args.model), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch)
+    if job.model.max_positions and args.seq_len > job.model.max_positions:
+        raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
+                        f"learned positions, which train.py refuses; use --seq-len <= {job.model.max_positions}")
 
     fitting, smallest, rejected = plan(job)
     n = job.model.n_params
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    print(f"Llama {job.model.flavor} ({size} params) on {job.nodes} x "
+    print(f"{job.model.family} {job.model.flavor} ({size} params) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
           f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
           f"assumed {gpu.matmul_efficiency:.0%} of it. Estimates, not measurements.")
@@ -272,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         path = Path(args.write)
-        command = "python -m parallel.plan " + " ".join(a for a in argv if not a.startswith("--write")
+        command = "python -m planning.plan " + " ".join(a for a in argv if not a.startswith("--write")
                                                         and a != args.write)
         path.write_text(to_toml(fitting[0], job, path.stem, command))
         print(f"\nwrote {path}")

@@ -1,4 +1,4 @@
-"""Closed-form estimates for one parallel layout of a Llama: memory per GPU, bytes sent per
+"""Closed-form estimates for one parallel layout of a model (Llama-shaped blocks): memory per GPU, bytes sent per
 step on each mesh dimension, and step time. docs/planning.md derives every term.
 
 These are estimates to *rank* layouts against each other, not predictions: the formulas
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parallel.hardware import GPU
+from planning.hardware import GPU
 from parallel.pipeline import SCHEDULES, check_pipeline, stage_ids
 
 BF16, FP32 = 2, 4
@@ -45,7 +45,9 @@ def fsdp2_model_states(n_params: float, dp_shard: int) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Sizes of a Llama flavor, counted on a one-layer meta copy of models.llama.Llama."""
+    """Sizes of a model flavor, counted on a one-layer meta copy of the family's model
+    (models/registry.py). The activation terms below are written for a Llama-shaped block
+    (attention + gated FFN); for other families they are an approximation."""
     flavor: str
     n_layers: int
     dim: int
@@ -54,31 +56,40 @@ class ModelShape:
     ffn_hidden: int
     vocab: int
     layer_split: int         # per block: 2-D weights, split by TP
-    layer_replicated: int    # per block: norm weights, replicated over TP
-    embedding: int           # tok_embeddings (vocab rows split by TP)
+    layer_replicated: int    # per block: norm weights and biases, replicated over TP
+    embedding: int           # embedding tables (vocab rows split by TP)
     head_split: int          # output projection (the embedding's weight too when tied)
     head_replicated: int     # final norm
     tied: bool
     tp_divisible: dict = field(default_factory=dict, compare=False)
+    family: str = "llama"
+    max_positions: int = 0   # rows of a learned position table (0: positions are computed)
 
     @classmethod
-    def from_flavor(cls, flavor: str, vocab_size: int | None = None) -> "ModelShape":
-        from models.llama import FLAVORS, Llama
+    def from_flavor(cls, flavor: str, vocab_size: int | None = None, family: str = "llama") -> "ModelShape":
+        from torch import nn
+
+        from models import registry
 
         # One block is enough to count a block; the layer count comes from the flavor.
         overrides = {"vocab_size": vocab_size} if vocab_size else {}
-        m = Llama.from_flavor(flavor, meta=True, n_layers=1, **overrides)
+        fam = registry.get(family)
+        m = fam.model_class().from_flavor(flavor, meta=True, n_layers=1, **overrides)
         c = m.cfg
-        def count(module, ndim):
-            return sum(p.numel() for p in module.parameters() if p.ndim == ndim)
-
-        return cls(flavor=flavor, n_layers=FLAVORS[flavor].n_layers, dim=c.dim, n_heads=c.n_heads,
-                   kv_dim=c.n_kv_heads * c.head_dim, ffn_hidden=c.ffn_hidden, vocab=c.vocab_size,
-                   layer_split=count(m.layers["0"], 2), layer_replicated=count(m.layers["0"], 1),
-                   embedding=m.tok_embeddings.weight.numel(),
-                   head_split=m.output.weight.numel(),
-                   head_replicated=m.norm.weight.numel(), tied=c.tie_embeddings,
-                   tp_divisible=m.tp_divisible())
+        block = next(iter(m.transformer_blocks().children()))
+        in_block = {id(p) for p in block.parameters()}
+        embeddings = [mod.weight for mod in m.modules() if isinstance(mod, nn.Embedding)]
+        outside = [p for p in m.parameters() if id(p) not in in_block and all(p is not e for e in embeddings)]
+        count = lambda params, ndim: sum(p.numel() for p in params if p.ndim == ndim)
+        n_kv = getattr(c, "n_kv_heads", None) or c.n_heads
+        return cls(flavor=flavor, n_layers=fam.flavors[flavor].n_layers, dim=c.dim, n_heads=c.n_heads,
+                   kv_dim=n_kv * c.head_dim, ffn_hidden=c.ffn_hidden, vocab=c.vocab_size,
+                   layer_split=count(block.parameters(), 2), layer_replicated=count(block.parameters(), 1),
+                   embedding=sum(e.numel() for e in embeddings),
+                   head_split=count(outside, 2) or (embeddings[0].numel() if c.tie_embeddings else 0),
+                   head_replicated=count(outside, 1), tied=c.tie_embeddings,
+                   tp_divisible=m.tp_divisible(), family=family,
+                   max_positions=c.max_seq_len if fam.learned_positions else 0)
 
     @property
     def layer_params(self) -> int:

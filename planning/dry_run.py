@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-GiB = 2**30
+from planning.hardware import GIB as GiB
 
 
 # ---------------------------------------------------------------- communication
@@ -157,27 +157,23 @@ def in_flight(schedule: str, n_micro: int, stage: int, n_stages: int) -> int:
     return n_micro if schedule in ("GPipe", "LoopedBFS") else min(n_micro, n_stages - stage)
 
 
-def step_shape(cfg, dims) -> tuple[int, int, int]:
-    """(sequences per forward on one rank, accumulation steps, sequence length of the
-    activations between blocks: divided by tp under sequence parallel)."""
-    t = cfg.training
-    local = t.local_batch_size or t.global_batch_size // dims.dp
-    seq = t.seq_len // dims.tp if (dims.tp > 1 and cfg.parallelism.sequence_parallel) else t.seq_len
-    return local, t.global_batch_size // (dims.dp * local), seq
+def activation_seq(cfg, layout) -> int:
+    """Sequence length of the activations between blocks: divided by tp under sequence parallel."""
+    tp, seq = layout.dims.tp, cfg.training.seq_len
+    return seq // tp if (tp > 1 and cfg.parallelism.sequence_parallel) else seq
 
 
-def trace_step(cfg, dims, mesh, parts, optimizers, stage_layers, model_cfg, comm, tracker) -> str:
+def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker) -> str:
     """One training step of this rank on fake tensors (see the module docstring). Of the
     step's gradient-accumulation micro-batches one is traced: each is the same work and
     frees its activations before the next, so the peak is the same; its collectives are
     counted once per micro-batch. Returns what was traced, in words."""
     from parallel import clip_grad_norm_, loss_parallel_context, submesh
-    from train import pp_microbatches
     from training.step import cross_entropy
 
     t, p = cfg.training, cfg.parallelism
-    local, accum, seq = step_shape(cfg, dims)
-    loss_parallel = dims.tp > 1 and p.loss_parallel
+    local, accum, seq, stage_layers = layout.local_batch, layout.grad_accum, activation_seq(cfg, layout), layout.stage_layers
+    loss_parallel = layout.dims.tp > 1 and p.loss_parallel
     dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
 
     if stage_layers is None:
@@ -187,7 +183,7 @@ def trace_step(cfg, dims, mesh, parts, optimizers, stage_layers, model_cfg, comm
             cross_entropy(parts[0][1](tokens), tokens).backward()
         traced = f"1 of {accum} accumulation micro-batch(es) of {local} sequences"
     else:
-        n_micro, n_stages = pp_microbatches(cfg), len(stage_layers)
+        n_micro, n_stages = layout.n_microbatches, len(stage_layers)
         mb = local // n_micro
         traced = []
         for index, part in parts:
@@ -243,15 +239,13 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import train
-    from parallel import SCHEDULES, split_into_stages, submesh
     from parallel.grad_clip import _whole_group
     from parallel.mesh import LayoutError
-    from training.optim import Optimizers
+    from training import recipe
 
     capacity = None
     if gpu:
-        from parallel.hardware import get_gpu
+        from planning.hardware import get_gpu
         try:
             capacity = get_gpu(gpu).hbm_bytes
         except KeyError as err:
@@ -268,14 +262,11 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     _clear_sharding_prop_cache()
     try:
-        dims = train.build_parallel_dims(cfg, world_size=world_size)
-        model = train.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
-        stage_layers = train.check_layout(cfg, dims, model)
-        mesh = dims.build_mesh("cpu")
-        pp_mesh = submesh(mesh, "pp")
-        parts = [(0, model)] if pp_mesh is None else split_into_stages(
-            model, pp_mesh, stage_layers, style=SCHEDULES[cfg.parallelism.pp_schedule][1])
-        parts = [(i, train.parallelize_model(part, mesh, cfg)) for i, part in parts]
+        model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
+        layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
+        mesh = layout.dims.build_mesh("cpu")
+        parts = recipe.build_parts(cfg, layout, mesh, model).parts
+        stage_layers = layout.stage_layers
         modules = [part for _, part in parts]
         for param in (q for m in modules for q in m.parameters()):
             if isinstance(param, DTensor):
@@ -287,15 +278,13 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
-            o = cfg.optimizer
-            optimizers = Optimizers(modules, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                                    weight_decay=o.weight_decay)
+            optimizers, _ = recipe.build_optimizer(cfg, modules)
             init_optimizer_state(modules, optimizers)
             tracker = memory_tracker(modules, optimizers)
             tracker.track_external(*optimizers.optimizers)
             comm = CountCollectives(names)
             with tracker, comm:
-                report["traced"] = trace_step(cfg, dims, mesh, parts, optimizers, stage_layers, model.cfg,
+                report["traced"] = trace_step(cfg, layout, mesh, parts, optimizers, model.cfg,
                                               comm, tracker)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
             after = next(iter(tracker.get_tracker_snapshot("current").values()))
@@ -303,7 +292,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
         report["memory_between_steps"] = breakdown(after)
         report["comm"] = comm.stats.rows
         if stage_layers is not None:
-            report["comm"].update(_pipeline_boundary(cfg, dims, parts, len(stage_layers), model.cfg))
+            report["comm"].update(_pipeline_boundary(cfg, layout, parts, model.cfg))
         report["seconds"] = time.perf_counter() - started
         if capacity is not None:
             report["gpu"], report["capacity"] = gpu, capacity
@@ -334,14 +323,11 @@ def _param_counts(modules, model) -> dict[str, int]:
     return {"model": sum(q.numel() for q in model.parameters()), "stages": stage, "held": local}
 
 
-def _pipeline_boundary(cfg, dims, parts, n_stages: int, model_cfg) -> dict:
+def _pipeline_boundary(cfg, layout, parts, model_cfg) -> dict:
     """Send/recv per step at this rank's stage boundaries: each micro-batch's activation
     forward and its gradient backward, [micro-batch, seq (/tp with SP), dim] each."""
-    from train import pp_microbatches
-
-    t = cfg.training
-    n_micro = pp_microbatches(cfg)
-    local, accum, seq = step_shape(cfg, dims)
+    t, n_stages = cfg.training, len(layout.stage_layers)
+    n_micro, local, accum, seq = layout.n_microbatches, layout.local_batch, layout.grad_accum, activation_seq(cfg, layout)
     elem = 2 if t.mixed_precision_param == "bfloat16" else 4
     per_mb = (local // n_micro) * seq * model_cfg.dim * elem
     boundaries = sum((i > 0) + (i < n_stages - 1) for i, _ in parts)  # sends + receives ...

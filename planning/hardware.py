@@ -1,7 +1,10 @@
-"""GPUs the planner (`python -m parallel.plan`) knows: peak compute, memory, links.
+"""The GPUs meshtrain knows: peak compute (MFU is measured against it), memory, links.
 
-Spec figures are the vendors' data-sheet numbers as collected in ../shared/reference.md
-("Hardware"); the measured ones (matmul TFLOP/s, copy bandwidth) are from the same page.
+One table for the planner (`python -m planning.plan`), the dry run's "fits" and
+training's MFU. Spec figures are the vendors' data sheets (NVIDIA H100, H200 and A100
+datasheets: dense bf16 tensor-core FLOP/s, HBM size and bandwidth, NVLink); the measured
+ones are `bench.gpu_check`'s (an 8192^3 bf16 matmul: 773-798 TFLOP/s on an H100 SXM,
+bench/results/) and device-to-device copies on H100 and H200.
 Assumptions, each used only to *rank* layouts, never to promise a number:
 
 - `matmul_efficiency`: the fraction of the bf16 peak a large matmul reaches. Measured
@@ -33,6 +36,7 @@ GB = 1e9
 @dataclass(frozen=True)
 class GPU:
     name: str
+    device_name: str             # what torch.cuda.get_device_name() contains (longest match wins)
     peak_bf16_flops: float       # dense, no 2:4 sparsity, FLOP/s
     hbm_bytes: int
     hbm_bandwidth: float         # bytes/s, achievable (see above)
@@ -54,19 +58,16 @@ class GPU:
         return self.internode_bandwidth * self.link_efficiency
 
 
+# name: GPU(model, name in torch's device name, bf16 FLOP/s, memory, achievable copy bandwidth,
+#            NVLink one way, inter-node one way, matmul efficiency)
 GPUS: dict[str, GPU] = {
-    "h100-80gb": GPU("H100 SXM 80GB", peak_bf16_flops=989e12, hbm_bytes=80 * GIB,
-                     hbm_bandwidth=3.0e12, nvlink_bandwidth=900 * GB / 2,
-                     internode_bandwidth=400e9 / 8, matmul_efficiency=798 / 989),
-    "h200-141gb": GPU("H200 SXM 141GB", peak_bf16_flops=989e12, hbm_bytes=141 * GIB,
-                      hbm_bandwidth=4.3e12, nvlink_bandwidth=900 * GB / 2,
-                      internode_bandwidth=400e9 / 8, matmul_efficiency=790 / 989),
-    "a100-80gb": GPU("A100 SXM 80GB", peak_bf16_flops=312e12, hbm_bytes=80 * GIB,
-                     hbm_bandwidth=0.9 * 2.0e12, nvlink_bandwidth=600 * GB / 2,
-                     internode_bandwidth=200e9 / 8, matmul_efficiency=0.8),
-    "a100-40gb": GPU("A100 SXM 40GB", peak_bf16_flops=312e12, hbm_bytes=40 * GIB,
-                     hbm_bandwidth=0.9 * 1.6e12, nvlink_bandwidth=600 * GB / 2,
-                     internode_bandwidth=200e9 / 8, matmul_efficiency=0.8),
+    "h100-80gb": GPU("H100 SXM 80GB", "H100", 989e12, 80 * GIB, 3.0e12, 900 * GB / 2, 400e9 / 8, 798 / 989),
+    # PCIe cards: NVLink bridges join pairs only, so a node's TP group talks over PCIe Gen5 x16.
+    "h100-pcie": GPU("H100 PCIe 80GB", "H100 PCIe", 756e12, 80 * GIB, 0.9 * 2.0e12, 64e9, 400e9 / 8, 0.8),
+    "h100-nvl": GPU("H100 NVL 94GB", "H100 NVL", 835e12, 94 * GIB, 0.9 * 3.9e12, 64e9, 400e9 / 8, 0.8),
+    "h200-141gb": GPU("H200 SXM 141GB", "H200", 989e12, 141 * GIB, 4.3e12, 900 * GB / 2, 400e9 / 8, 790 / 989),
+    "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8),
+    "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8),
 }
 ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "h200-141": "h200-141gb"}
 
@@ -77,3 +78,11 @@ def get_gpu(name: str) -> GPU:
     if key not in GPUS:
         raise KeyError(f"unknown GPU {name!r}; accepted: {', '.join(GPUS)}")
     return GPUS[key]
+
+
+def gpu_of_device(device_name: str) -> GPU | None:
+    """The row for a ``torch.cuda.get_device_name()``: the longest `device_name` it
+    contains, so "NVIDIA H100 PCIe" is not read as an SXM H100. None when unknown."""
+    matches = [gpu for gpu in GPUS.values() if gpu.device_name in device_name]
+    return max(matches, key=lambda gpu: len(gpu.device_name)) if matches else None
+

@@ -1,0 +1,69 @@
+"""The model families: the one place the rest of meshtrain learns which models exist.
+
+`train.py` (through training/recipe.py), the config schema, checkpoint export and the
+planner read a family from here by its `[model] name`. A family is a folder of models/
+(a torch-free module with its config dataclass and `FLAVORS`, a module with the
+`nn.Module`) plus one `Family(...)` line below; code outside models/ can add one with
+`register`. Everything is named by import path and loaded on first use, so importing the
+registry -- and so reading a config -- does not import torch.
+
+What the model class must answer (models/llama/model.py is the example):
+    from_flavor(flavor, meta=True, **config overrides) -> the model on meta
+    .cfg (the config dataclass: dim, n_layers, n_heads, head_dim, ffn_hidden, vocab_size,
+    max_seq_len, tie_embeddings), init_weights(seed, device), fsdp_units(),
+    transformer_blocks(), tp_plan(sequence_parallel=, loss_parallel=), tp_divisible(),
+    tied_weights(), and pipeline_stage(layer_ids, first=, last=) for pipelines.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                    # [model] name
+    summary: str                 # one line, for the config reference
+    config: str                  # "package.module:ConfigClass"; the module also holds FLAVORS
+    model: str                   # "package.module:ModelClass"
+    hf: str = ""                 # module with load_hf_weights_(model, dir) and save_hf(...), "" if none
+    learned_positions: bool = False  # the position table is a weight: seq_len may not exceed it
+    high_precision: tuple[str, ...] = ("output",)  # layers float8 training leaves alone
+
+    def config_class(self) -> type:
+        return _load(self.config)
+
+    @property
+    def flavors(self) -> dict:
+        return importlib.import_module(self.config.partition(":")[0]).FLAVORS
+
+    def model_class(self) -> type:
+        return _load(self.model)
+
+    def hf_module(self):
+        return importlib.import_module(self.hf) if self.hf else None
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", "Llama 3 (rotary positions, GQA, SwiGLU)", "models.llama.config:LlamaConfig",
+           "models.llama.model:Llama", hf="models.llama.hf"),
+    Family("gpt2", "GPT-2 / GPT-3 shapes (learned positions, tied embeddings)", "models.gpt2.config:GPT2Config",
+           "models.gpt2.model:GPT2", learned_positions=True, high_precision=("lm_head",)),
+)}
+
+
+def get(name: str) -> Family:
+    if name not in FAMILIES:
+        raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def register(family: Family) -> None:
+    """Add a family defined outside models/ (your own model, a test's)."""
+    FAMILIES[family.name] = family
+
+
+def _load(path: str):
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,259 @@
+"""How a run is built from its config -- the one recipe `train.py` and the dry run share.
+
+    model  = build_model(cfg, vocab)              # the whole model, on meta (models/registry.py)
+    layout = plan_layout(cfg, model, world_size)  # every default resolved, every rule checked:
+                                                  #   no process group exists yet
+    mesh   = layout.dims.build_mesh(...)
+    run    = build_parts(cfg, layout, mesh, model)  # stages cut; TP, AC, compile, FSDP per part
+    optimizer, scheduler = build_optimizer(cfg, run.modules)
+
+Each default (the local batch, the accumulation steps, the pipeline's micro-batches and
+stages per rank, the sharding strategy) is worked out here once and read from `RunLayout`
+everywhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models import registry
+from parallel import LayoutError, ParallelDims, mixed_precision_policy, parallelize, submesh
+from parallel.async_tp import async_tp_unavailable
+from parallel.float8 import apply_float8, float8_unavailable
+from parallel.fsdp import check_strategy
+from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
+from parallel.tied import tie_across_stages
+from training.checkpoint import CheckpointError, CheckpointManager
+from training.config import ConfigError, JobConfig
+from training.config_loader import config_to_toml
+from training.optim import Optimizers, Schedulers
+from training.step import compile_loss, pipeline_loss_fn, pipeline_train_step, train_step
+
+# Embedding rows are padded to a multiple of this when the vocabulary comes from the
+# tokenizer (258 for bytes), so any TP degree up to 64 divides it.
+VOCAB_MULTIPLE = 64
+
+
+def device_type(cfg: JobConfig) -> str:
+    if cfg.job.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.job.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError('[job] device = "cuda" but no CUDA device is visible; use "auto" or "cpu"')
+    return cfg.job.device
+
+
+def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
+    """The whole model on meta: no memory, whatever its size."""
+    m, seq_len = cfg.model, cfg.training.seq_len
+    family = registry.get(m.name)
+    vocab = m.vocab_size or -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"[model] vocab_size = {vocab} is smaller than the tokenizer's "
+                          f"vocabulary ({tokenizer_vocab})")
+    overrides = {"vocab_size": vocab, "norm_eps": m.norm_eps}
+    if m.n_layers:
+        overrides["n_layers"] = m.n_layers
+    if not family.learned_positions:  # positions are computed (rotary): size them for this run
+        overrides["max_seq_len"] = seq_len
+    model = family.model_class().from_flavor(m.flavor, meta=True, **overrides)
+    if seq_len > model.cfg.max_seq_len:
+        raise ConfigError(f"[training] seq_len = {seq_len} is longer than {m.name} {m.flavor}'s "
+                          f"{model.cfg.max_seq_len} learned positions; use seq_len <= {model.cfg.max_seq_len}")
+    return model
+
+
+@dataclass
+class RunLayout:
+    """The run's shape, resolved from the config and the world size before any process group."""
+    dims: ParallelDims
+    strategy: str                  # FULL_SHARD, SHARD_GRAD_OP, ... ("auto" resolved)
+    local_batch: int               # sequences per forward on one rank
+    grad_accum: int                # forwards per optimizer step on one rank
+    stage_layers: list[list[int]] | None = None  # layers of every pipeline stage; None: no pipeline
+    schedule: str = ""             # pipeline schedule
+    n_microbatches: int = 1        # the schedule's micro-batches per forward
+    stages_per_rank: int = 1
+    placement: str = "loop"        # how stages land on ranks: loop, or v (V schedules)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stage_layers is not None
+
+
+def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None, *,
+                gpus_per_node: int | None = None, this_machine: bool = True) -> RunLayout:
+    """Everything about the layout that can be known without a process group, checked:
+    degrees against the world, the model against TP, the strategy against the degrees,
+    batch sizes, the pipeline and, with ``this_machine`` (not for a dry run, which plans for
+    another), the files named and the speed options against this machine.
+    ``gpus_per_node``: warn when TP would leave a node (default: torchrun's local world on CUDA)."""
+    t, p = cfg.training, cfg.parallelism
+    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world_size)
+    if gpus_per_node is None and this_machine and device_type(cfg) == "cuda":
+        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
+    dims.check_model(model.tp_divisible(), seq_len=t.seq_len, sequence_parallel=p.sequence_parallel,
+                     gpus_per_node=gpus_per_node)
+    try:
+        strategy = check_strategy(p.sharding_strategy, dims.degrees)
+    except LayoutError as err:
+        raise LayoutError(f'[parallelism] sharding_strategy = "{p.sharding_strategy}": {err}') from None
+    local = t.local_batch_size or t.global_batch_size // dims.dp
+    if local < 1 or t.global_batch_size % (dims.dp * local):  # local is 0 when global < dp
+        per_step = (f"dp * local_batch_size = {dims.dp_replicate}*{dims.dp_shard} * {local} = {dims.dp * local}"
+                    if t.local_batch_size else f"dp = {dims.dp_replicate}*{dims.dp_shard} = {dims.dp}")
+        raise LayoutError(f"[training] global_batch_size = {t.global_batch_size} must be a multiple of "
+                          f"{per_step} (dp = dp_replicate*dp_shard)")
+    layout = RunLayout(dims=dims, strategy=strategy, local_batch=local,
+                       grad_accum=t.global_batch_size // (dims.dp * local))
+    if this_machine:
+        _check_inputs(cfg)
+        check_speed_options(cfg, dims)
+    if dims.pp == 1:
+        return layout
+    per_rank = p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)
+    micro = p.pp_microbatches or dims.pp * per_rank  # one per stage: the fewest that fill the pipe
+    try:
+        layout.stage_layers = check_pipeline(
+            pp=dims.pp, n_layers=model.cfg.n_layers, schedule=p.pp_schedule, stages_per_rank=per_rank,
+            n_microbatches=micro, local_batch=local, layers_per_stage=p.pp_layers_per_stage,
+            split_points=p.pp_split_points)
+    except LayoutError as err:
+        raise LayoutError(f"[parallelism] pp = {dims.pp}, pp_schedule = \"{p.pp_schedule}\": {err}") from None
+    layout.schedule, layout.n_microbatches, layout.stages_per_rank = p.pp_schedule, micro, per_rank
+    layout.placement = SCHEDULES[p.pp_schedule][1]
+    return layout
+
+
+def _check_inputs(cfg: JobConfig) -> None:
+    """Files the config names, before anything is started."""
+    t, hf = cfg.training, cfg.checkpoint.initial_load_hf
+    if t.dataset == "text" and not (t.dataset_path and os.path.exists(t.dataset_path)):
+        raise ConfigError(f'[training] dataset = "text" needs dataset_path = a file or folder of text; '
+                          f'"{t.dataset_path}" does not exist')
+    if hf and not registry.get(cfg.model.name).hf:
+        raise ConfigError(f'[checkpoint] initial_load_hf reads Hugging Face weights; [model] name = '
+                          f'"{cfg.model.name}" has no importer')
+    if hf and not os.path.isfile(os.path.join(hf, "config.json")):  # False, not OSError, for too long a name
+        raise ConfigError(f"[checkpoint] initial_load_hf = \"{hf}\": no Hugging Face config.json there "
+                          f"(expected a folder with config.json and *.safetensors)")
+
+
+def check_speed_options(cfg: JobConfig, dims: ParallelDims) -> None:
+    """[compile] async_tp and [float8] need hardware and packages a machine may lack: say which."""
+    dev = device_type(cfg)
+    if cfg.compile.async_tp:
+        reason = async_tp_unavailable(dev, compile=cfg.compile.enable, tp=dims.tp)
+        if reason:
+            raise ConfigError(f"[compile] async_tp = true cannot run here: {reason}")
+    if cfg.float8.enable:
+        reason = float8_unavailable(dev, tp=dims.tp)
+        if reason:
+            raise ConfigError(f"[float8] enable = true cannot run here: {reason}")
+
+
+@dataclass
+class Parts:
+    """This rank's share of the model, parallelized over the mesh."""
+    mesh: object
+    parts: list[tuple[int, nn.Module]]   # (stage index, module); one (0, model) without a pipeline
+    model: nn.Module                     # the whole model, on meta: its config, names and ties
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [module for _, module in self.parts]
+
+
+def build_parts(cfg: JobConfig, layout: RunLayout, mesh, model: nn.Module) -> Parts:
+    """Cut this rank's pipeline stages out of the meta model (nothing else is ever
+    allocated), then apply float8, TP, activation checkpointing, compile and FSDP to each."""
+    pp_mesh = submesh(mesh, "pp")
+    parts = [(0, model)] if pp_mesh is None else split_into_stages(model, pp_mesh, layout.stage_layers,
+                                                                   style=layout.placement)
+    return Parts(mesh, [(i, parallelize_part(part, mesh, cfg, layout)) for i, part in parts], model)
+
+
+def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: RunLayout) -> nn.Module:
+    p, t = cfg.parallelism, cfg.training
+    mixed = None
+    if (t.mixed_precision_param, t.mixed_precision_reduce) != ("float32", "float32"):
+        mixed = mixed_precision_policy(t.mixed_precision_param, t.mixed_precision_reduce)
+    if cfg.float8.enable:  # first: FSDP then shards the float8 layers' weights as usual
+        apply_float8(part, skip=registry.get(cfg.model.name).high_precision)
+    return parallelize(part, mesh, sharding_strategy=layout.strategy, mixed_precision=mixed,
+                       cpu_offload=p.cpu_offload, sequence_parallel=p.sequence_parallel,
+                       loss_parallel=p.loss_parallel, activation_checkpoint=cfg.activation_checkpoint.mode,
+                       ac_every=cfg.activation_checkpoint.selective_every, compile=cfg.compile.enable,
+                       async_tp=cfg.compile.async_tp)
+
+
+def build_optimizer(cfg: JobConfig, modules: list[nn.Module]) -> tuple[Optimizers, Schedulers]:
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    optimizer = Optimizers(modules, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay)
+    scheduler = Schedulers(optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
+                           decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio, decay_ratio=s.decay_ratio)
+    return optimizer, scheduler
+
+
+def build_step(cfg: JobConfig, layout: RunLayout, run: Parts, optimizer: Optimizers, device: torch.device):
+    """``step(micro_batches, step_number) -> (loss, grad_norm)``: forward, backward, clip
+    and update, with or without a pipeline schedule. A weight tied across pipeline stages
+    (its copies start equal: init draws each under its source's name) gets its copies'
+    gradients summed every step."""
+    mesh, t = run.mesh, cfg.training
+    pp_mesh, dp_mesh = submesh(mesh, "pp"), submesh(mesh, "dp")
+    loss_parallel = submesh(mesh, "tp") is not None and cfg.parallelism.loss_parallel
+    compile_loss(cfg.compile.loss)  # process-wide: every step's cross-entropy
+    if not layout.pipelined:
+        model = run.modules[0]
+
+        def step(micro_batches, number):
+            return train_step(model, optimizer, micro_batches, max_norm=t.max_norm, loss_parallel=loss_parallel,
+                              dp_mesh=dp_mesh, device=device, step=number, skip_nonfinite=True)
+        return step
+
+    # A weight tied across stages (GPT-2's embedding and output) has a copy at each end.
+    tied = tie_across_stages(run.modules, mesh, pp_mesh, run.model.tied_weights())
+    ids = [i for i, _ in run.parts]
+    first, last = 0 in ids, len(layout.stage_layers) - 1 in ids  # feeds tokens / computes the loss
+    schedule = build_schedule(layout.schedule, run.parts, pp_mesh, n_microbatches=layout.n_microbatches,
+                              n_stages=len(layout.stage_layers), device=device,
+                              loss_fn=pipeline_loss_fn(layout.n_microbatches * layout.grad_accum))
+
+    def step(micro_batches, number):
+        return pipeline_train_step(schedule, run.modules, optimizer, micro_batches, first=first, last=last,
+                                   max_norm=t.max_norm, loss_parallel=loss_parallel, dp_mesh=dp_mesh,
+                                   pp_mesh=pp_mesh, device=device, step=number, skip_nonfinite=True, tied=tied)
+    return step
+
+
+def open_checkpoint(cfg: JobConfig, run: Parts, optimizer, scheduler, data, run_dir: Path):
+    """(the checkpoint manager or None, the step to resume after: 0 for a fresh run)."""
+    c = cfg.checkpoint
+    if not c.enable:
+        return None, 0
+    checkpoint = CheckpointManager(run_dir / c.folder, parts=run.modules, optimizers=optimizer,
+                                   schedulers=scheduler, model_config=run.model.cfg,
+                                   job_config_text=config_to_toml(cfg), interval=c.interval,
+                                   keep_latest_k=c.keep_latest_k, async_save=c.async_save,
+                                   last_save_model_only=c.last_save_model_only,
+                                   export_dtype=getattr(torch, c.export_dtype),
+                                   if_config_differs=c.if_config_differs, tied=run.model.tied_weights())
+    start_step, data_state = checkpoint.resume(c.load_step)
+    if data_state:
+        data.load_state_dict(data_state)  # refuses a different dataset / seq_len / batch
+    return checkpoint, start_step
+
+
+def load_hf_weights(cfg: JobConfig, run: Parts) -> None:
+    """Fine-tuning: each rank reads only its own shards of each tensor from the folder."""
+    hf = registry.get(cfg.model.name).hf_module()
+    for part in run.modules:
+        try:
+            hf.load_hf_weights_(part, cfg.checkpoint.initial_load_hf)
+        except (ValueError, FileNotFoundError) as err:  # the folder does not fit the model
+            raise CheckpointError(f"[checkpoint] initial_load_hf: {err}") from None
