@@ -20,18 +20,8 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from parallel import LayoutError, mesh_coordinate, shutdown_distributed
-from training import recipe
-from training.checkpoint import CheckpointError
 from training.config import ConfigError
 from training.config_loader import config_to_toml, parse_args
-from training.data import build_dataloader, build_tokenizer
-from training.faults import (CollectiveFailure, GracefulStop, NonFiniteError, describe_collective_failure,
-                             is_collective_failure, set_collective_timeout, step_phase)
-from training.metrics import MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     # instead of keeping differently sized blocks apart, which otherwise reserves GiBs
     # more than a step ever allocates (measured on an H100: 11 GiB over 43).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    cfg, args = parse_args(argv)
+    cfg, args = parse_args(argv)  # the whole config, checked before torch is even imported
     if args.print_config:
         print(config_to_toml(cfg), end="")
         return
@@ -51,12 +41,25 @@ def main(argv: list[str] | None = None) -> None:
         if report.get("fits") is False:
             raise SystemExit(1)
         return
+    import torch
+    import torch.distributed as dist
+
+    from parallel import mesh_coordinate, shutdown_distributed
+    from training import recipe
+    from training.data import build_dataloader, build_tokenizer
+    from training.faults import (CollectiveFailure, GracefulStop, describe_collective_failure,
+                                 is_collective_failure, set_collective_timeout, step_phase)
+    from training.metrics import MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token
+
     t = cfg.training
+    torch.manual_seed(t.seed)  # torch's own generators too (every rank alike): a rerun repeats bitwise
     tokenizer = build_tokenizer(t.tokenizer)
     model = recipe.build_model(cfg, tokenizer.vocab_size)    # the whole model, on meta
     layout = recipe.plan_layout(cfg, model)                  # every check, before any process group
     mesh = layout.dims.build_mesh(recipe.device_type(cfg), timeout_seconds=cfg.comm.init_timeout_seconds)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    run_dir = Path(cfg.job.output_dir) / cfg.job.name
+    recipe.claim_run_dir(run_dir)                            # one run per folder
     flops, n_params = model_flops_per_token(model, t.seq_len), sum(p.numel() for p in model.parameters())
     parts = recipe.build_parts(cfg, layout, mesh, model)     # this rank's stages: TP, AC, compile, FSDP
     for part in parts.modules:
@@ -65,7 +68,6 @@ def main(argv: list[str] | None = None) -> None:
     dp_rank, dp_size = mesh_coordinate(mesh, "dp")
     data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size)
     optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
-    run_dir = Path(cfg.job.output_dir) / cfg.job.name
     checkpoint, start_step = recipe.open_checkpoint(cfg, parts, optimizer, scheduler, data, run_dir)
     if start_step == 0 and cfg.checkpoint.initial_load_hf:
         recipe.load_hf_weights(cfg, parts)
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
 # ---------------------------------------------------------------- the pieces main names
 
 def announce(n_params: int, layout, mesh, start_step: int, run_dir: Path) -> None:
+    import torch.distributed as dist
+
     if dist.get_rank() != 0:
         return
     pipeline = "" if not layout.pipelined else (
@@ -128,6 +132,10 @@ def announce(n_params: int, layout, mesh, start_step: int, run_dir: Path) -> Non
 def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, checkpoint, data, t) -> int:
     """A step whose loss or gradient norm is inf/NaN (its update was not applied): count it
     and go on, or keep the last good state and stop. Returns the skipped count."""
+    import torch.distributed as dist
+
+    from training.faults import NonFiniteError
+
     skipped += 1
     if t.nonfinite == "stop" or skipped > t.max_skipped_steps:
         saved = ""
@@ -146,6 +154,8 @@ def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, checkpo
 
 
 def say_stopped(signal_name: str, step: int, checkpoint) -> None:
+    import torch.distributed as dist
+
     if dist.get_rank() == 0:
         saved = "checkpoint saved; run the same command to resume" if checkpoint else \
             "checkpointing is off, so a rerun starts over"
@@ -156,23 +166,33 @@ def run(argv: list[str] | None = None) -> int:
     """Bad input ends every rank promptly with a message and exit code 2, not a traceback
     (``--debug`` shows it). Only rank 0 prints: every rank read the same config. Bad input
     means meshtrain's own error types, raised where the input is checked; any other
-    exception is a bug and keeps its traceback (exit 1)."""
+    exception is a bug and keeps its traceback (exit 1). A failed collective or a
+    non-finite step ends with 3, said by every rank that sees it."""
     debug = "--debug" in (argv if argv is not None else sys.argv)
     try:
         main(argv)
         return 0
-    except (ConfigError, LayoutError, CheckpointError) as err:
+    except Exception as err:
+        code = exit_code(err)
+        if code is None:
+            raise
         if debug:
             traceback.print_exc()
-        if int(os.environ.get("RANK", 0)) == 0:
+        if code == 3 or int(os.environ.get("RANK", 0)) == 0:
             print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
+        return code
+
+
+def exit_code(err: Exception) -> int | None:
+    if isinstance(err, ConfigError):  # decided before anything imported torch
         return 2
-    except (CollectiveFailure, NonFiniteError) as err:
-        # Every rank that sees it says so: the rank that names the failure may not be rank 0.
-        if debug:
-            traceback.print_exc()
-        print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
-        return 3
+    from parallel import LayoutError
+    from training.checkpoint import CheckpointError
+    from training.faults import CollectiveFailure, NonFiniteError
+
+    if isinstance(err, (LayoutError, CheckpointError)):
+        return 2
+    return 3 if isinstance(err, (CollectiveFailure, NonFiniteError)) else None
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import asdict
@@ -44,7 +45,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from training.checkpoint_reader import SafeReader, UnsafeCheckpointError
+from torch.distributed.checkpoint.api import CheckpointException
+
+from training.checkpoint_reader import DamagedCheckpointError, SafeReader, UnsafeCheckpointError, damage
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -52,6 +55,25 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message says which and why."""
+
+
+class _ReadFailure(Exception):
+    """This checkpoint could not be read (resume then tries the one before)."""
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost OSError's words (a full disk, a read-only folder), else the error itself.
+    DCP wraps each rank's failure in a CheckpointException that lists them all."""
+    failures = getattr(err, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+    if failures:
+        rank, (first, _) = min(failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {_root_cause(first)}"
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return f"{os.strerror(seen.errno)} ({seen.filename or 'in the checkpoint folder'})"
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(err).__name__}: {err}"
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -161,26 +183,56 @@ class CheckpointManager:
     # ---------------------------------------------------------------- resume
 
     def resume(self, load_step: int = 0) -> tuple[int, dict]:
-        """Load the newest complete checkpoint (or ``load_step``); returns (step, data
-        state) — (0, {}) when there is none. Every rank loads the one rank 0 chose."""
+        """Load the newest intact checkpoint (or ``load_step``); returns (step, data state)
+        -- (0, {}) when there is none. A damaged one (truncated shard, unreadable index or
+        meta.json) is skipped with a warning naming what is wrong, and so is one DCP fails
+        to read; with none intact left, the run stops rather than start over silently.
+        Every rank tries the paths rank 0 chose, in the same order."""
         choice = [None]
         if self.rank == 0:
-            found = dict(complete_checkpoints(self.folder))
-            if load_step:
-                if load_step not in found:
-                    choice[0] = ("error", f"[checkpoint] load_step = {load_step}: no complete checkpoint "
-                                          f"for that step in {self.folder} (have: {sorted(found) or 'none'})")
-                else:
-                    choice[0] = ("ok", str(found[load_step]))
-            elif found:
-                choice[0] = ("ok", str(found[max(found)]))
+            choice[0] = self._candidates(load_step)
         dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return 0, {}
         status, value = choice[0]
         if status == "error":
             raise CheckpointError(value)
-        return self.load(Path(value))
+        failed = []
+        for path in map(Path, value):
+            try:
+                return self.load(path)
+            except _ReadFailure as err:  # the same on every rank: DCP gathers the ranks' errors
+                failed.append(f"{path.name}: {err}")
+                if self.rank == 0:
+                    warnings.warn(f"checkpoint {path} could not be read ({err}); trying the one before",
+                                  stacklevel=2)
+        if failed:
+            raise CheckpointError(f"no checkpoint in {self.folder} could be read: {'; '.join(failed)}. Move "
+                                  f"the damaged folders away to start from scratch")
+        return 0, {}
+
+    def _candidates(self, load_step: int) -> tuple[str, list[str] | str]:
+        """Rank 0: ("ok", intact checkpoint paths, newest first) or ("error", why)."""
+        found = complete_checkpoints(self.folder)
+        if load_step:
+            found = [(s, p) for s, p in found if s == load_step]
+            if not found:
+                have = [s for s, _ in complete_checkpoints(self.folder)] or "none"
+                return "error", (f"[checkpoint] load_step = {load_step}: no complete checkpoint for that step "
+                                 f"in {self.folder} (have: {have})")
+        intact, damaged = [], []
+        for step, path in reversed(found):
+            try:
+                problem = damage(path)
+            except UnsafeCheckpointError as err:  # crafted, not damaged: refuse the run, skip nothing
+                return "error", str(err)
+            if problem is None:
+                intact.append(str(path))
+            else:
+                damaged.append(f"{path.name}: {problem}")
+                warnings.warn(f"skipping damaged checkpoint {path}: {problem}", stacklevel=3)
+        if damaged and not intact:
+            return "error", (f"no intact checkpoint to resume from in {self.folder}: {'; '.join(damaged)}. "
+                             f"Move the damaged folders away to start from scratch")
+        return "ok", intact
 
     def load(self, path: Path) -> tuple[int, dict]:
         meta = json.loads((path / "meta.json").read_text())
@@ -209,12 +261,14 @@ class CheckpointManager:
         reader = SafeReader(str(path))
         try:
             reader.read_metadata()  # before DCP: a refused index is named plainly, on every rank
-        except (UnsafeCheckpointError, FileNotFoundError) as err:
+        except UnsafeCheckpointError as err:
             raise CheckpointError(str(err)) from None
+        except (DamagedCheckpointError, FileNotFoundError) as err:
+            raise _ReadFailure(str(err)) from None
         try:
             dcp.load(state, storage_reader=reader)
-        except Exception as err:  # DCP reports a bad file deep in its planner
-            raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            raise _ReadFailure(_root_cause(err)) from err
         with torch.no_grad():
             for copy, source in copies:  # this rank holds both: the copy takes the source's values
                 copy.copy_(opt[source])
@@ -257,10 +311,17 @@ class CheckpointManager:
         self.finish_pending()
         final = step_dir(self.folder, step)
         tmp = final.with_name(final.name + ".tmp")
-        exists = [final.exists()]
+        exists = [False]
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
+            if final.exists() and damage(final) is not None:
+                # Damaged (e.g. its index is gone): set it aside, or this step would never be saved.
+                aside = final.with_name(f"{final.name}.damaged-{int(time.time())}")
+                warnings.warn(f"{final} is damaged ({damage(final)}); moved to {aside.name} and saved anew",
+                              stacklevel=2)
+                final.rename(aside)
+            exists[0] = final.exists()
         dist.broadcast_object_list(exists, src=0)
         if exists[0]:
             return  # never overwrite a complete checkpoint
@@ -274,19 +335,31 @@ class CheckpointManager:
         meta = {"step": step, "model_only": model_only, "dataloader": data_state,
                 "lr_scheduler": self.schedulers.state_dict(), "rng": "rng" in state}
         dist.barrier()  # the stale .tmp is gone on every rank's view before anyone writes
-        if self._pg is not None:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
-            self._pending = (future, tmp, final, meta)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self._finalize(tmp, final, meta)
+        try:
+            if self._pg is not None:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+                self._pending = (future, tmp, final, meta)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp))
+                self._finalize(tmp, final, meta)
+        except (Exception, CheckpointException) as err:
+            raise self._save_failed(final, err) from err
 
     def finish_pending(self) -> None:
         if self._pending is not None:
             future, tmp, final, meta = self._pending
             self._pending = None
-            future.result()
-            self._finalize(tmp, final, meta)
+            try:
+                future.result()
+                self._finalize(tmp, final, meta)
+            except (Exception, CheckpointException) as err:
+                raise self._save_failed(final, err) from err
+
+    def _save_failed(self, final: Path, err: BaseException) -> "CheckpointError":
+        kept = [p.name for _, p in complete_checkpoints(self.folder)]
+        return CheckpointError(f"saving {final} failed: {_root_cause(err)}. Nothing complete was touched: "
+                               f"{', '.join(kept) or 'no earlier checkpoint'} in {self.folder} "
+                               f"{'are' if len(kept) > 1 else 'is'} intact")
 
     def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
         """Rank 0, after DCP wrote its metadata (so every rank's shards are on disk):

@@ -11,6 +11,7 @@ writes tensors only). Every DCP read of meshtrain goes through it.
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import torch
@@ -36,6 +37,10 @@ class UnsafeCheckpointError(ValueError):
     """A checkpoint file asks for something a plain DCP checkpoint never contains."""
 
 
+class DamagedCheckpointError(ValueError):
+    """An index that cannot be read (truncated, not a pickle): the folder is damaged, not crafted."""
+
+
 class _IndexUnpickler(pickle.Unpickler):
     def __init__(self, file, path: str):
         super().__init__(file)
@@ -58,7 +63,7 @@ def read_index(path: str, stream) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as err:  # truncated or not a pickle at all
-        raise UnsafeCheckpointError(f"{path}: not a readable DCP index ({type(err).__name__}: {err})") from None
+        raise DamagedCheckpointError(f"{path}: not a readable DCP index ({type(err).__name__}: {err})") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not a DCP index")
     for key, entry in metadata.state_dict_metadata.items():
@@ -84,3 +89,43 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta.load_id = self.load_id
             self._metadata = metadata
         return self._metadata
+
+
+def damage(path) -> str | None:
+    """What is wrong with a checkpoint folder, in words, or None when it is intact: every
+    file the index names is there and long enough, and meta.json and model_config.json are
+    readable with what resume needs. Cheap (sizes only, no tensor is read), so resume can
+    check before it loads and fall back past a damaged checkpoint. An index that asks for
+    code is not damage: `read_index` refuses it (UnsafeCheckpointError)."""
+    from pathlib import Path
+
+    path = Path(path)
+    index = path / ".metadata"
+    if not index.is_file():
+        return "no DCP index (.metadata): the save did not finish"
+    with open(index, "rb") as stream:
+        try:
+            metadata = read_index(str(index), stream)
+        except DamagedCheckpointError as err:
+            return str(err)
+    sizes = {}
+    for item in (metadata.storage_data or {}).values():
+        end = item.offset + item.length
+        sizes[item.relative_path] = max(sizes.get(item.relative_path, 0), end)
+    for name, needed in sorted(sizes.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"shard {shard} is missing"
+        if shard.stat().st_size < needed:
+            return f"shard {shard} is truncated ({shard.stat().st_size:,} of at least {needed:,} bytes)"
+    for name, keys in (("meta.json", ("step", "dataloader", "lr_scheduler")), ("model_config.json", ())):
+        try:
+            data = json.loads((path / name).read_text())
+        except FileNotFoundError:
+            return f"{path / name} is missing"
+        except (ValueError, UnicodeDecodeError) as err:
+            return f"{path / name} is not JSON ({err})"
+        missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+        if missing or not isinstance(data, dict):
+            return f"{path / name} lacks {', '.join(missing) or 'its fields'}"
+    return None

@@ -78,11 +78,12 @@ class ModelSection:
 
 @dataclass
 class TrainingSection:
-    steps: int = opt(20, "optimizer steps to run", min=1)
+    steps: int = opt(20, "optimizer steps to run", min=1,
+                     max=10**12)  # far past any run; the schedule's arithmetic is float
     global_batch_size: int = opt(8, "sequences per optimizer step, all data-parallel ranks together", min=1)
     local_batch_size: int = opt(0, "sequences per forward on one rank; 0: global/dp (no accumulation)", min=0)
     seq_len: int = opt(128, "tokens per sequence", min=2,  # one input and one label at least
-                       max=2**31)  # larger ones overflow torch's sizes
+                       max=2**20)  # beyond needs context parallelism; the rotary tables alone are 0.5 GiB here
     seed: int = opt(0, "seed for weight init and data order")
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables clipping", min=0)
     dataset: str = opt("stdlib", "corpus: stdlib (Python's own sources) or text (dataset_path)",

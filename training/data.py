@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import sysconfig
+import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -109,22 +110,37 @@ def _sorted_files(root: Path, suffixes: tuple[str, ...], skip_dirs=frozenset()) 
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())  # same order everywhere
 
 
+# A text file with more than this fraction of bytes that are not UTF-8 is refused: it is
+# most likely binary (an archive, a model file), and training on it would learn noise.
+MAX_UNDECODABLE = 0.01
+
+
 def _read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+    """The file as text; a few undecodable bytes are replaced (and counted in a warning),
+    many mean the file is not text at all (ConfigError naming it)."""
+    data = path.read_bytes()
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - data.count("\ufffd".encode())  # replaced, not written as U+FFFD
+    if bad > MAX_UNDECODABLE * max(len(text), 1):
+        raise ConfigError(f"{path}: {bad:,} of its {len(data):,} bytes ({bad / len(data):.0%}) are not UTF-8 "
+                          f"text; it looks binary. Remove it from the dataset (text files: "
+                          f"{'/'.join(TEXT_SUFFIXES)})")
+    if bad:
+        warnings.warn(f"{path}: {bad} bytes are not UTF-8 and were replaced", stacklevel=2)
+    return text
 
 
 def _jsonl_texts(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e})") from e
-            if not isinstance(record, dict) or "text" not in record:
-                raise ConfigError(f"{path}:{lineno}: jsonl record has no 'text' field")
-            yield record["text"]
+    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{lineno}: not valid JSON ({e})") from e
+        if not isinstance(record, dict) or "text" not in record:
+            raise ConfigError(f"{path}:{lineno}: jsonl record has no 'text' field")
+        yield record["text"]
 
 
 def iter_documents(dataset: str, dataset_path: str = "") -> Iterator[str]:

@@ -14,6 +14,7 @@ everywhere else.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,8 +131,14 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
 
 
 def _check_inputs(cfg: JobConfig) -> None:
-    """Files the config names, before anything is started."""
+    """Files and folders the config names, before anything is started."""
     t, hf = cfg.training, cfg.checkpoint.initial_load_hf
+    run_dir = Path(cfg.job.output_dir) / cfg.job.name
+    for path, key in ((run_dir / "tb", "[job] output_dir / name"),
+                      (run_dir / cfg.checkpoint.folder, "[checkpoint] folder")):
+        blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:  # found now, not by the TensorBoard writer after the first step
+            raise ConfigError(f'{key}: "{blocking}" is a file, but the run writes a folder there ({path})')
     if t.dataset == "text" and not (t.dataset_path and os.path.exists(t.dataset_path)):
         raise ConfigError(f'[training] dataset = "text" needs dataset_path = a file or folder of text; '
                           f'"{t.dataset_path}" does not exist')
@@ -141,6 +148,11 @@ def _check_inputs(cfg: JobConfig) -> None:
     if hf and not os.path.isfile(os.path.join(hf, "config.json")):  # False, not OSError, for too long a name
         raise ConfigError(f"[checkpoint] initial_load_hf = \"{hf}\": no Hugging Face config.json there "
                           f"(expected a folder with config.json and *.safetensors)")
+    if hf:
+        try:
+            json.loads(Path(hf, "config.json").read_text())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ConfigError(f"[checkpoint] initial_load_hf: {Path(hf, 'config.json')} is not JSON ({err})") from None
 
 
 def check_speed_options(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -257,3 +269,22 @@ def load_hf_weights(cfg: JobConfig, run: Parts) -> None:
             hf.load_hf_weights_(part, cfg.checkpoint.initial_load_hf)
         except (ValueError, FileNotFoundError) as err:  # the folder does not fit the model
             raise CheckpointError(f"[checkpoint] initial_load_hf: {err}") from None
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Rank 0 takes the folder's lock (training/run_lock.py); every rank learns the answer,
+    so a second job on the same folder stops on all its ranks at once."""
+    import torch.distributed as dist
+
+    from training import run_lock
+
+    refusal = [None]
+    if dist.get_rank() == 0:
+        try:
+            run_lock.acquire(run_dir)
+        except ConfigError as err:
+            refusal[0] = str(err)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise ConfigError(refusal[0])
+

@@ -5,6 +5,7 @@
     faults.py sigterm K S [train.py args]       rank K gets SIGTERM before step S (only it)
     faults.py stall K S SECONDS [train.py args] rank K sleeps SECONDS before step S
     faults.py nan S [train.py args]             the loss of step S is NaN on every rank
+    faults.py disk_full K S [train.py args]     rank K's checkpoint writes fail with ENOSPC from step S
 
 Everything else — torchrun, the process groups, checkpoints, the restart — is real.
 """
@@ -54,6 +55,22 @@ elif mode == "nan":
 
     def before(step):
         poisoned[0] = step == when
+elif mode == "disk_full":  # rank `who`'s writes fail with ENOSPC from step `when` on
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    who, when, argv = int(argv[0]), int(argv[1]), argv[2:]
+    real_write, current = dcp_fs._write_item, [0]
+
+    def write_item(*args, **kwargs):
+        if rank == who and current[0] >= when:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "__%d_0.distcp" % rank)
+        return real_write(*args, **kwargs)
+    dcp_fs._write_item = write_item
+
+    def before(step):
+        current[0] = step
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

@@ -1,0 +1,82 @@
+"""Damaged storage: resume falls back past a damaged checkpoint to the newest intact one
+and says what is wrong with it; a damaged step folder is set aside, not left to block that
+step's save forever; a save that fails (a full disk) stops every rank with the reason and
+leaves every complete checkpoint intact."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, torchrun
+from training.checkpoint import complete_checkpoints
+from training.checkpoint_reader import damage
+
+ONE = ("--parallelism.dp_shard=1", "--parallelism.tp=1")
+
+
+def args(out, steps, *more):
+    return ["--config", "debug_2d", *ONE, f"--training.steps={steps}", "--training.seq_len=32",
+            f"--job.output_dir={out}", "--job.name=run", "--checkpoint.enable=true", "--checkpoint.interval=2",
+            "--lr_scheduler.decay_type=constant", *more]
+
+
+def train(out, steps, *more):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "train.py", *args(out, steps, *more)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture
+def three(tmp_path):
+    """A run that saved steps 2, 4 and 6."""
+    proc = train(tmp_path, 6)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = tmp_path / "run" / "checkpoint"
+    assert [s for s, _ in complete_checkpoints(folder)] == [2, 4, 6]
+    return folder
+
+
+def newest_shard(folder):
+    return next((folder / "step-00000006").glob("*.distcp"))
+
+
+@pytest.mark.parametrize("harm,said", [
+    (lambda f: newest_shard(f).write_bytes(newest_shard(f).read_bytes()[:1000]), "is truncated"),
+    (lambda f: (f / "step-00000006" / "meta.json").write_text("{ not json"), "meta.json is not JSON"),
+    (lambda f: (f / "step-00000006" / "meta.json").write_text("{}"), "meta.json lacks step"),
+    (lambda f: (f / "step-00000006" / ".metadata").unlink(), "no DCP index"),
+])
+def test_a_damaged_newest_checkpoint_is_skipped_named_and_saved_anew(three, harm, said):
+    harm(three)
+    proc = train(three.parent.parent, 8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 4" in proc.stdout
+    assert "step-00000006" in proc.stderr and said in proc.stderr
+    # Step 6 was trained again and saved: the damaged folder was set aside, not kept in its way.
+    assert [s for s, _ in complete_checkpoints(three)] == [2, 4, 6, 8]
+    assert all(damage(p) is None for _, p in complete_checkpoints(three))
+    assert len(list(three.glob("step-00000006.damaged-*"))) == 1
+
+
+def test_with_no_intact_checkpoint_left_the_run_stops_rather_than_start_over(three):
+    for step in (2, 4, 6):
+        (three / f"step-{step:08d}" / "meta.json").write_text("garbage")
+    proc = train(three.parent.parent, 8)
+    assert proc.returncode == 2
+    assert "no intact checkpoint" in proc.stderr and "step-00000002" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_full_disk_stops_every_rank_with_the_reason_and_keeps_what_was_saved(tmp_path):
+    proc = torchrun("tests/workers/faults.py", "disk_full", "1", "4",
+                    *args(tmp_path, 8, "--parallelism.dp_shard=2", "--parallelism.tp=2"), nproc=4, timeout=300)
+    assert proc.returncode != 0
+    assert "No space left on device" in proc.stderr and "step-00000004" in proc.stderr
+    assert 'checkpoint.py", line' not in proc.stderr and 'train.py", line' not in proc.stderr  # ours: one line
+    folder = tmp_path / "run" / "checkpoint"
+    assert [s for s, _ in complete_checkpoints(folder)] == [2] and damage(folder / "step-00000002") is None
+    meta = json.loads((folder / "step-00000002" / "meta.json").read_text())
+    assert meta["step"] == 2

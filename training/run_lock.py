@@ -1,0 +1,74 @@
+"""One run per folder. Two jobs writing the same `output_dir/name` would delete each
+other's checkpoint `.tmp` folders and interleave their TensorBoard events, so rank 0 of a
+run holds `run.lock` there (host, pid, start time) from start-up to exit, and a second job
+is refused at once. A lock left by a run that died -- its pid gone on this host, as after a
+SIGKILL or before a torchrun restart -- is taken over. A lock held from another host
+cannot be checked and is refused, saying how to clear it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from training.config import ConfigError
+
+LOCK_NAME = "run.lock"
+
+
+def acquire(run_dir: Path) -> Path:
+    """Take the folder's lock for this process (released at exit), or raise ConfigError
+    naming the run that holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / LOCK_NAME
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # atomic: one creator wins
+        except FileExistsError:
+            holder = _read(lock)
+            if holder is not None and not _dead(holder, me["host"]):
+                raise ConfigError(_refusal(run_dir, lock, holder)) from None
+            lock.unlink(missing_ok=True)  # a dead run's (or an unreadable) lock
+            continue
+        with os.fdopen(fd, "w") as fh:
+            json.dump(me, fh)
+        atexit.register(release, lock, me["pid"])
+        return lock
+
+
+def release(lock: Path, pid: int) -> None:
+    holder = _read(lock)
+    if holder is not None and holder.get("pid") == pid and holder.get("host") == socket.gethostname():
+        lock.unlink(missing_ok=True)
+
+
+def _read(lock: Path) -> dict | None:
+    try:
+        holder = json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) and {"host", "pid", "started"} <= set(holder) else None
+
+
+def _dead(holder: dict, host: str) -> bool:
+    if holder["host"] != host:
+        return False  # another machine's process: no way to ask, so assume it runs
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def _refusal(run_dir: Path, lock: Path, holder: dict) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
+    return (f"{run_dir} is in use by another run (pid {holder['pid']} on {holder['host']}, since {since}); two "
+            f"runs in one folder would delete each other's checkpoints. Wait for it, or set [job] name / "
+            f"output_dir to another folder; if that run is gone, delete {lock}")
