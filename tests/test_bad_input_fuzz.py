@@ -112,8 +112,9 @@ def invoke(argv: list[str], world_size: int | None = None) -> Outcome:
     out, err = io.StringIO(), io.StringIO()
     result = Outcome(argv=list(argv))
     with pytest.MonkeyPatch.context() as mp:
-        for key in ENV_KEYS:  # restored afterwards, whatever the run set
-            mp.delenv(key, raising=False)
+        for key in ENV_KEYS:  # restored afterwards, whatever the run set (setenv records a key
+            mp.setenv(key, "")     # that was absent, so it is removed again; delenv alone would not)
+            mp.delenv(key)
         if world_size is not None:
             mp.setenv("WORLD_SIZE", str(world_size))
             mp.setenv("RANK", "0")
@@ -943,7 +944,8 @@ def test_checkpoint_of_another_model_is_refused_in_process(tmp_path, monkeypatch
     one process saves a real checkpoint of the debug model (vocab 320) with a gloo group of
     one, then a second run with vocab 384 must refuse it. No torchrun, a few seconds."""
     for key in ENV_KEYS:  # init_distributed sets these for a world of one; put them back after
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     common = ["--config", "debug_2d", "--parallelism.tp=1", "--parallelism.dp_shard=1", "--training.steps=1",
               "--training.seq_len=16", "--training.global_batch_size=2", "--training.dataset=text",

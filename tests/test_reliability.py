@@ -19,7 +19,10 @@ ONE = ("--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1",
 
 
 def env():
-    return {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+    # Not this process's rendezvous either (an in-process test may have set it): two runs
+    # side by side would both listen on that port.
+    return {**{k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
             "OMP_NUM_THREADS": "1"}
 
 

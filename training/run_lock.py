@@ -31,9 +31,10 @@ def acquire(run_dir: Path) -> Path:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # atomic: one creator wins
         except FileExistsError:
             holder = _read(lock)
-            if holder is not None and not _dead(holder, me["host"]):
+            ours = holder is not None and holder["pid"] == me["pid"] and holder["host"] == me["host"]
+            if holder is not None and not ours and not _dead(holder, me["host"]):
                 raise ConfigError(_refusal(run_dir, lock, holder)) from None
-            lock.unlink(missing_ok=True)  # a dead run's (or an unreadable) lock
+            lock.unlink(missing_ok=True)  # a dead run's, an unreadable, or an earlier run's of this process
             continue
         with os.fdopen(fd, "w") as fh:
             json.dump(me, fh)
