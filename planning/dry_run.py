@@ -18,6 +18,8 @@ traffic is computed from the activation shape.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -110,15 +112,49 @@ def mesh_group_names(mesh) -> dict[str, tuple[str, int]]:
 
 # ---------------------------------------------------------------- memory
 
+_in_sharding_propagation = threading.local()
+
+
+@contextlib.contextmanager
+def sharding_propagation_untracked():
+    """DTensor works out an op's output shape by running the op on fake tensors of the
+    *global* shape (`ShardingPropagator._propagate_tensor_meta_non_cached`): no memory on
+    a GPU. torch's trackers skip them by checking that they run under a fake mode of their
+    own, which is not so when the whole step is fake: the propagation reuses our mode, and
+    the tracker counted a 128K-vocabulary fp32 logit tensor per loss-parallel op (17.5
+    GiB of a 70B tp 8 step that needs 4). This marks the propagation so the tracker skips it."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, op_schema):
+        _in_sharding_propagation.on = True
+        try:
+            return original(self, op_schema)
+        finally:
+            _in_sharding_propagation.on = False
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
 def _peak_only(tracker_cls):
     """The tracker keeps a snapshot per module at every op (hundreds of modules x every op
-    of a 70B step); only the rank's overall peak is reported here, so skip the rest."""
+    of a 70B step); only the rank's overall peak is reported here, so skip the rest. And
+    tensors of DTensor's sharding propagation are not memory (see above)."""
     class PeakOnly(tracker_cls):
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        def _track(self, reftype, t) -> None:
+            if not getattr(_in_sharding_propagation, "on", False):
+                super()._track(reftype, t)
     return PeakOnly
 
 
@@ -233,9 +269,12 @@ def init_optimizer_state(parts, optimizers) -> None:
     optimizers.zero_grad(set_to_none=True)
 
 
-def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "") -> dict:
+def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "", *,
+            fake: bool = True, quiet: bool = False) -> dict:
     """Build and trace rank ``rank``'s view of ``cfg`` at ``world_size``; print the report
-    and return its numbers. ``gpu`` (e.g. "h100-80gb"): say whether the peak fits."""
+    (unless ``quiet``) and return its numbers. ``gpu`` (e.g. "h100-80gb"): say whether the
+    peak fits. ``fake=False`` runs the step on real CPU tensors instead (small models only):
+    the reference tests check the fake trace against."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -275,7 +314,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
         report = {"world_size": world_size, "rank": rank, "mesh": describe_mesh(mesh, rank, gpus_per_node),
                   "stages": [(i, stage_layers[i] if stage_layers else None) for i, _ in parts],
                   "parameters": _param_counts(modules, model)}
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
             optimizers, _ = recipe.build_optimizer(cfg, modules)
@@ -283,7 +322,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
             tracker = memory_tracker(modules, optimizers)
             tracker.track_external(*optimizers.optimizers)
             comm = CountCollectives(names)
-            with tracker, comm:
+            with sharding_propagation_untracked(), tracker, comm:
                 report["traced"] = trace_step(cfg, layout, mesh, parts, optimizers, model.cfg,
                                               comm, tracker)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
@@ -299,7 +338,8 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
             report["fits"] = report["memory"]["total"] <= capacity
     finally:
         dist.destroy_process_group()
-    print_report(report, cfg)
+    if not quiet:
+        print_report(report, cfg)
     return report
 
 
