@@ -215,7 +215,8 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker) -
         tokens = torch.randint(0, model_cfg.vocab_size, (local, t.seq_len))
         with loss_parallel_context(loss_parallel):
             cross_entropy(parts[0][1](tokens), tokens).backward()
-        traced = f"1 of {accum} accumulation micro-batch(es) of {local} sequences"
+        traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
+                  f"the others held)" if accum > 1 else f"one micro-batch of {local} sequences")
     else:
         traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel)
         traced += f"; x {accum} accumulation steps" if accum > 1 else ""
@@ -290,14 +291,16 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel)
     return f"{layout.schedule} order of this rank, up to its peak and drained; forwards traced ({held}) of {n_micro} micro-batches"
 
 
-def init_optimizer_state(parts, optimizers) -> None:
+def init_optimizer_state(parts, optimizers, accumulating: bool = False) -> None:
     """AdamW allocates its state on its first step; a steady-state step has it all along,
-    so it exists before the traced step (one step on zero gradients, not tracked)."""
+    so it exists before the traced step (one step on zero gradients, not tracked). With
+    gradient accumulation the traced micro-batch is a later one: the sharded gradients of
+    the earlier ones are already there (train_step sets them to None only at step start)."""
     for part in parts:
         for q in part.parameters():
             q.grad = torch.zeros_like(q)
     optimizers.step()
-    optimizers.zero_grad(set_to_none=True)
+    optimizers.zero_grad(set_to_none=not accumulating)
 
 
 def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "", *,
@@ -349,7 +352,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
             optimizers, _ = recipe.build_optimizer(cfg, modules)
-            init_optimizer_state(modules, optimizers)
+            init_optimizer_state(modules, optimizers, accumulating=layout.grad_accum > 1)
             tracker = memory_tracker(modules, optimizers)
             tracker.track_external(*optimizers.optimizers)
             comm = CountCollectives(names)
