@@ -18,6 +18,8 @@ traffic is computed from the activation shape.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -110,15 +112,49 @@ def mesh_group_names(mesh) -> dict[str, tuple[str, int]]:
 
 # ---------------------------------------------------------------- memory
 
+_in_sharding_propagation = threading.local()
+
+
+@contextlib.contextmanager
+def sharding_propagation_untracked():
+    """DTensor works out an op's output shape by running the op on fake tensors of the
+    *global* shape (`ShardingPropagator._propagate_tensor_meta_non_cached`): no memory on
+    a GPU. torch's trackers skip them by checking that they run under a fake mode of their
+    own, which is not so when the whole step is fake: the propagation reuses our mode, and
+    the tracker counted a 128K-vocabulary fp32 logit tensor per loss-parallel op (17.5
+    GiB of a 70B tp 8 step that needs 4). This marks the propagation so the tracker skips it."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, op_schema):
+        _in_sharding_propagation.on = True
+        try:
+            return original(self, op_schema)
+        finally:
+            _in_sharding_propagation.on = False
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
 def _peak_only(tracker_cls):
     """The tracker keeps a snapshot per module at every op (hundreds of modules x every op
-    of a 70B step); only the rank's overall peak is reported here, so skip the rest."""
+    of a 70B step); only the rank's overall peak is reported here, so skip the rest. And
+    tensors of DTensor's sharding propagation are not memory (see above)."""
     class PeakOnly(tracker_cls):
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        def _track(self, reftype, t) -> None:
+            if not getattr(_in_sharding_propagation, "on", False):
+                super()._track(reftype, t)
     return PeakOnly
 
 
@@ -151,9 +187,8 @@ def breakdown(snapshot: dict) -> dict[str, int]:
 # ---------------------------------------------------------------- the run
 
 def in_flight(schedule: str, n_micro: int, stage: int, n_stages: int) -> int:
-    """Micro-batches whose activations one stage holds at once: GPipe runs every forward
-    before any backward; the 1F1B family starts backwards once the pipe is full, so a
-    stage keeps at most as many as there are stages from it to the end."""
+    """For schedules without an F/B action model (the zero-bubble ones): micro-batches
+    whose activations one stage holds at once, the 1F1B family's count."""
     return n_micro if schedule in ("GPipe", "LoopedBFS") else min(n_micro, n_stages - stage)
 
 
@@ -171,45 +206,20 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker) -
     from parallel import clip_grad_norm_, loss_parallel_context, submesh
     from training.step import cross_entropy
 
-    t, p = cfg.training, cfg.parallelism
-    local, accum, seq, stage_layers = layout.local_batch, layout.grad_accum, activation_seq(cfg, layout), layout.stage_layers
-    loss_parallel = layout.dims.tp > 1 and p.loss_parallel
-    dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+    t = cfg.training
+    local, accum = layout.local_batch, layout.grad_accum
+    loss_parallel = layout.dims.tp > 1 and cfg.parallelism.loss_parallel
 
-    if stage_layers is None:
+    if layout.stage_layers is None:
         comm.scale = lambda dim, kind: accum
         tokens = torch.randint(0, model_cfg.vocab_size, (local, t.seq_len))
         with loss_parallel_context(loss_parallel):
             cross_entropy(parts[0][1](tokens), tokens).backward()
-        traced = f"1 of {accum} accumulation micro-batch(es) of {local} sequences"
+        traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
+                  f"the others held)" if accum > 1 else f"one micro-batch of {local} sequences")
     else:
-        n_micro, n_stages = layout.n_microbatches, len(stage_layers)
-        mb = local // n_micro
-        traced = []
-        for index, part in parts:
-            k = in_flight(p.pp_schedule, n_micro, index, n_stages)
-            traced.append(f"stage {index}: {k} of {n_micro} micro-batches in flight")
-            # Per micro-batch: TP's collectives (and FULL_SHARD's re-gathers); per
-            # schedule step (once per accumulation step): FSDP's gathers and reductions.
-            per_micro = n_micro * accum / k
-            comm.scale = lambda dim, kind: per_micro if dim == "tp" else accum
-            outputs = []
-            for _ in range(k):
-                tracker.reset_mod_stats()  # per-module stats allow one call; the rank's peak is kept
-                x = (torch.randint(0, model_cfg.vocab_size, (mb, t.seq_len)) if index == 0 else
-                     torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
-                with loss_parallel_context(loss_parallel):
-                    out = part(x)
-                    outputs.append(cross_entropy(out, torch.zeros(mb, t.seq_len, dtype=torch.long))
-                                   if index == n_stages - 1 else out)
-            for j, out in enumerate(outputs):
-                if isinstance(part, FSDPModule):  # as torch's PipelineStage does: sync on the last only
-                    last = j == len(outputs) - 1
-                    part.set_requires_gradient_sync(last)
-                    part.set_reshard_after_backward(last)
-                with loss_parallel_context(loss_parallel):
-                    out.backward(None if out.ndim == 0 else torch.ones_like(out))
-        traced = "; ".join(traced) + (f"; x {accum} accumulation steps" if accum > 1 else "")
+        traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel)
+        traced += f"; x {accum} accumulation steps" if accum > 1 else ""
     comm.scale = lambda dim, kind: 1
     pp_mesh = submesh(mesh, "pp")
     clip_grad_norm_([q for _, part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
@@ -223,19 +233,82 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker) -
     return traced
 
 
-def init_optimizer_state(parts, optimizers) -> None:
+def pipeline_actions(layout, stage_ids: list[int]) -> list:
+    """This rank's forwards and backwards in the order torch's schedule runs them, up to
+    its memory peak and drained (planning/schedule.py); for a schedule without an F/B
+    model, each stage's in-flight forwards then their backwards, one stage after another."""
+    from planning.schedule import SUPPORTED, Action, rank_actions, replay_prefix
+
+    pp, n_micro = layout.dims.pp, layout.n_microbatches
+    if layout.schedule in SUPPORTED and layout.placement == "loop":
+        actions = rank_actions(layout.schedule, pp, layout.stages_per_rank, n_micro)[stage_ids[0] % pp]
+        return replay_prefix(actions)
+    n_stages, out = len(layout.stage_layers), []
+    for s in stage_ids:
+        k = in_flight(layout.schedule, n_micro, s, n_stages)
+        out += [Action("F", s, i) for i in range(k)] + [Action("B", s, i) for i in reversed(range(k))]
+    return out
+
+
+def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel) -> str:
+    """Replay this rank's forwards and backwards (see `pipeline_actions`). As torch's
+    PipelineStage does, FSDP neither reshards nor reduces after a backward until the
+    stage's last one, so every local stage's unsharded gradients accumulate meanwhile."""
+    from parallel import loss_parallel_context
+    from training.step import cross_entropy
+
+    t, n_micro, accum = cfg.training, layout.n_microbatches, layout.grad_accum
+    n_stages, mb, seq = len(layout.stage_layers), layout.local_batch // layout.n_microbatches, activation_seq(cfg, layout)
+    dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+    by_stage = dict(parts)
+    actions = pipeline_actions(layout, list(by_stage))
+    forwards = {s: sum(a.kind == "F" and a.stage == s for a in actions) for s in by_stage}
+    last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind == "B"}
+    pending = {}
+    for i, a in enumerate(actions):
+        part, scale = by_stage[a.stage], n_micro * accum / forwards[a.stage]
+        # TP collectives happen per micro-batch, FSDP's per schedule step (once per
+        # accumulation step): scale what was traced to the whole step.
+        comm.scale = lambda dim, kind, scale=scale: scale if dim == "tp" else accum
+        with loss_parallel_context(loss_parallel):
+            if a.kind == "F":
+                # The tracker refuses a second top-level call of a module it has seen (it
+                # takes it for the next step); forgetting the stage's root is enough, and
+                # keeps what the pending backwards of other micro-batches look up.
+                tracker.memory_tracking.pop(part, None)
+                x = (torch.randint(0, model_cfg.vocab_size, (mb, t.seq_len)) if a.stage == 0 else
+                     torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
+                out = part(x)
+                pending[a.stage, a.microbatch] = (cross_entropy(out, torch.zeros(mb, t.seq_len, dtype=torch.long))
+                                                  if a.stage == n_stages - 1 else out)
+                continue
+            out = pending.pop((a.stage, a.microbatch))
+            if isinstance(part, FSDPModule):
+                part.set_requires_gradient_sync(i == last_backward[a.stage])
+                part.set_reshard_after_backward(i == last_backward[a.stage])
+            out.backward(None if out.ndim == 0 else torch.ones_like(out))
+    held = ", ".join(f"stage {s}: {forwards[s]}" for s in by_stage)
+    return f"{layout.schedule} order of this rank, up to its peak and drained; forwards traced ({held}) of {n_micro} micro-batches"
+
+
+def init_optimizer_state(parts, optimizers, accumulating: bool = False) -> None:
     """AdamW allocates its state on its first step; a steady-state step has it all along,
-    so it exists before the traced step (one step on zero gradients, not tracked)."""
+    so it exists before the traced step (one step on zero gradients, not tracked). With
+    gradient accumulation the traced micro-batch is a later one: the sharded gradients of
+    the earlier ones are already there (train_step sets them to None only at step start)."""
     for part in parts:
         for q in part.parameters():
             q.grad = torch.zeros_like(q)
     optimizers.step()
-    optimizers.zero_grad(set_to_none=True)
+    optimizers.zero_grad(set_to_none=not accumulating)
 
 
-def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "") -> dict:
+def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "", *,
+            fake: bool = True, quiet: bool = False) -> dict:
     """Build and trace rank ``rank``'s view of ``cfg`` at ``world_size``; print the report
-    and return its numbers. ``gpu`` (e.g. "h100-80gb"): say whether the peak fits."""
+    (unless ``quiet``) and return its numbers. ``gpu`` (e.g. "h100-80gb"): say whether the
+    peak fits. ``fake=False`` runs the step on real CPU tensors instead (small models only):
+    the reference tests check the fake trace against."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -275,15 +348,15 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
         report = {"world_size": world_size, "rank": rank, "mesh": describe_mesh(mesh, rank, gpus_per_node),
                   "stages": [(i, stage_layers[i] if stage_layers else None) for i, _ in parts],
                   "parameters": _param_counts(modules, model)}
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
             optimizers, _ = recipe.build_optimizer(cfg, modules)
-            init_optimizer_state(modules, optimizers)
+            init_optimizer_state(modules, optimizers, accumulating=layout.grad_accum > 1)
             tracker = memory_tracker(modules, optimizers)
             tracker.track_external(*optimizers.optimizers)
             comm = CountCollectives(names)
-            with tracker, comm:
+            with sharding_propagation_untracked(), tracker, comm:
                 report["traced"] = trace_step(cfg, layout, mesh, parts, optimizers, model.cfg,
                                               comm, tracker)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
@@ -299,7 +372,8 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
             report["fits"] = report["memory"]["total"] <= capacity
     finally:
         dist.destroy_process_group()
-    print_report(report, cfg)
+    if not quiet:
+        print_report(report, cfg)
     return report
 
 

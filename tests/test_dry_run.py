@@ -34,7 +34,7 @@ def test_llama70b_2d_at_64_ranks_fits_an_h100_and_its_traffic_is_the_closed_form
     report = dry_run(load_config("llama70b_2d"), 64, rank=9, gpu="h100-80gb")
     held, accum, dp = report["parameters"]["held"], 4, 8
     assert model_states(report) == pytest.approx(16 * held, rel=0.02)
-    assert report["fits"] and 0.3 < report["memory"]["total"] / (80 * GiB) < 0.9
+    assert report["fits"] and 0.2 < report["memory"]["total"] / (80 * GiB) < 0.9
     assert report["memory"]["activations"] > 4 * GiB  # 2 x 8192 tokens through 80 blocks, full AC
     comm = report["comm"]
     _, rs_bytes, _ = comm[("dp_shard", "reduce-scatter")]
@@ -60,6 +60,12 @@ def test_llama405b_3d_at_512_ranks_traces_both_stages_of_a_rank():
     assert report["memory"]["total"] < 80 * GiB
     count, _, _ = report["comm"][("pp", "send/recv")]
     assert count == 2 * 2 * 2 * 32  # 2 middle stages x (send + recv) x (fwd + bwd) x 32 micro-batches
+    # torch's Interleaved1F1B runs the two stages' micro-batches interleaved: at the peak
+    # both are gathered in bf16 and both accumulate unsharded fp32 gradients (tracing one
+    # stage after the other saw half of that, and 36 GiB in all).
+    stages_local = report["parameters"]["stages"] / 8  # after tp 8
+    assert report["memory"]["temporaries"] >= 0.98 * 4 * stages_local
+    assert report["memory"]["parameters"] >= 2 * stages_local
 
 
 def test_tp_collectives_per_block_match_sequence_parallel(capsys):
@@ -89,3 +95,16 @@ def test_a_config_that_cannot_fit_says_by_how_much_and_exits_1():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "does NOT fit" in proc.stdout and "GiB over" in proc.stdout
+
+
+def test_the_fake_trace_counts_what_the_same_step_on_real_tensors_allocates():
+    """The reference for the dry run's memory: the same rank's step on real CPU tensors
+    (a fake process group, so no other rank is needed), tracked by the same tracker in
+    eager mode, where torch's own rule keeps DTensor's shape propagation out. Under fake
+    tensors that rule fails (the propagation reuses our fake mode) and the full-vocabulary
+    logits of loss_parallel were counted on every rank: +17 % here, +13 GiB at 70B tp 8."""
+    over = ["--model.vocab_size=8192", "--training.seq_len=256"]  # tp 2 x dp 2, loss_parallel
+    fake = dry_run(load_config("debug_2d", over), 4, quiet=True)
+    real = dry_run(load_config("debug_2d", over), 4, fake=False, quiet=True)
+    assert fake["memory"]["total"] == pytest.approx(real["memory"]["total"], rel=0.01)
+    assert fake["memory"]["activations"] == pytest.approx(real["memory"]["activations"], rel=0.01)

@@ -1,0 +1,123 @@
+"""What a pipeline rank runs, in order: torch's own description of its schedules.
+
+    rank_actions("Interleaved1F1B", pp=8, stages_per_rank=2, n_microbatches=32)
+        -> {0: [Action("F", 0, 0), Action("F", 0, 1), ..., Action("B", 8, 0), ...], 1: [...], ...}
+
+`torch.distributed.pipelining` builds every schedule from an intermediate representation:
+per pp rank, the list of forwards ("F"), backwards ("B") and idle slots its runtime
+executes (`pipeline_order`; `_get_pipeline_order` for the one-stage schedules). It is
+computed from (pp, stages per rank, micro-batches) alone, so it is read here without a
+process group or stages, by calling torch's own methods on a bare schedule object. The
+dry run replays one rank's list to trace its memory, the estimate counts the micro-batches
+in flight from it, and the step-time model simulates all ranks' lists to get the bubble.
+These are private torch methods: the test suite pins what they return for every schedule
+the planner uses, so a torch upgrade that changes them fails loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+# Schedules whose IR has only F and B actions: what the memory and time models handle.
+# The zero-bubble ones split the backward into input (I) and weight (W) parts.
+SUPPORTED = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str        # "F" forward or "B" backward (input and weight gradients together)
+    stage: int       # global stage index
+    microbatch: int
+
+
+@lru_cache(maxsize=256)
+def _rank_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int) -> tuple:
+    from torch.distributed.pipelining import schedules as S
+
+    if schedule not in SUPPORTED:
+        raise NotImplementedError(f"no F/B action model for pp_schedule {schedule!r}; the planner and "
+                                  f"dry run handle {', '.join(SUPPORTED)}")
+    cls = S.get_schedule_class(schedule)
+    bare = cls.__new__(cls)  # no stages, no process group: only the fields the IR is computed from
+    bare._n_microbatches = n_microbatches
+    if issubclass(cls, S.PipelineScheduleSingle):
+        bare._num_stages = pp
+        order = bare._get_pipeline_order()
+    else:
+        bare.pp_group_size, bare.n_local_stages = pp, stages_per_rank
+        bare.number_of_rounds = max(1, n_microbatches // pp)        # as the constructor sets them
+        bare.microbatches_per_round = n_microbatches // bare.number_of_rounds
+        bare._stages = [None] * stages_per_rank
+        order = {rank: bare._calculate_single_rank_operations(rank) for rank in range(pp)}
+    kinds = {S.FORWARD: "F", S.FULL_BACKWARD: "B"}
+    return tuple(_consistent([Action(kinds[a.computation_type], a.stage_index, a.microbatch_index or 0)
+                              for a in order[rank] if a is not None and a.computation_type in kinds])
+                 for rank in range(pp))
+
+
+def _consistent(actions: list[Action]) -> tuple[Action, ...]:
+    """torch's description of 1F1B numbers the last rank's forwards from 1 and its
+    backwards from 0 (what runs is right; only the description is off by one). Where a
+    stage's forward and backward numbers differ, number both in order of appearance."""
+    for stage in {a.stage for a in actions}:
+        fwd = [a.microbatch for a in actions if a.stage == stage and a.kind == "F"]
+        bwd = [a.microbatch for a in actions if a.stage == stage and a.kind == "B"]
+        if sorted(fwd) != sorted(bwd):
+            seen = {"F": 0, "B": 0}
+            renumbered = []
+            for a in actions:
+                if a.stage == stage:
+                    a = Action(a.kind, stage, seen[a.kind])
+                    seen[a.kind] += 1
+                renumbered.append(a)
+            actions = renumbered
+    return tuple(actions)
+
+
+def rank_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int) -> list[list[Action]]:
+    """Per pp rank, the forwards and backwards it runs in one step, in order."""
+    return [list(a) for a in _rank_actions(schedule, pp, stages_per_rank, n_microbatches)]
+
+
+def replay_prefix(actions: list[Action]) -> list[Action]:
+    """The part of one rank's list a memory trace must run to reach its peak, then drained.
+
+    The peak is during a backward, with the most micro-batches in flight and every local
+    stage's gradient buffers already allocated (a pipeline accumulates gradients unsharded
+    until the step's end). In the steady state each forward is followed by a backward, so
+    the count in flight no longer grows: the list is run until every local stage has done
+    one backward and the next action after the last of those, then the backwards of
+    whatever is still in flight, so every traced forward has its backward."""
+    stages = {a.stage for a in actions}
+    seen, cut = set(), len(actions)
+    for i, a in enumerate(actions):
+        if a.kind == "B":
+            seen.add(a.stage)
+            if seen == stages:
+                cut = min(len(actions), i + 2)
+                break
+    prefix = actions[:cut]
+    done = {(a.stage, a.microbatch) for a in prefix if a.kind == "B"}
+    drain = [Action("B", a.stage, a.microbatch) for a in prefix
+             if a.kind == "F" and (a.stage, a.microbatch) not in done]
+    return prefix + list(reversed(drain))
+
+
+def in_flight_at_peak(actions: list[Action], weight: dict[int, float],
+                      working: dict[int, float] | None = None) -> tuple[float, dict[int, int], int]:
+    """(bytes, micro-batches in flight per stage, the stage running a backward) at the
+    worst moment of a rank's list: during a backward, weight[s] bytes kept per in-flight
+    micro-batch of stage s, plus working[s] while stage s runs its backward."""
+    working = working or {}
+    live: dict[int, int] = {s: 0 for s in weight}
+    best = (-1.0, {}, -1)
+    for a in actions:
+        if a.kind == "F":
+            live[a.stage] += 1
+            continue
+        held = sum(live[s] * weight[s] for s in live) + working.get(a.stage, 0.0)
+        if held > best[0]:
+            best = (held, dict(live), a.stage)
+        live[a.stage] -= 1
+    return best

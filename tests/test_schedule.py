@@ -1,0 +1,53 @@
+"""planning/schedule.py reads torch's own description of its pipeline schedules (private
+methods): these pin what it returns, so a torch upgrade that changes it fails here first."""
+
+import pytest
+
+from planning.schedule import Action, in_flight_at_peak, rank_actions, replay_prefix
+
+
+def counts(actions):
+    return {kind: sum(a.kind == kind for a in actions) for kind in "FB"}
+
+
+@pytest.mark.parametrize("schedule, pp, v, m", [("1F1B", 4, 1, 8), ("GPipe", 2, 1, 3),
+                                                ("Interleaved1F1B", 8, 2, 32), ("LoopedBFS", 2, 2, 4)])
+def test_every_rank_runs_each_microbatch_of_each_of_its_stages_once_each_way(schedule, pp, v, m):
+    for rank, actions in enumerate(rank_actions(schedule, pp, v, m)):
+        stages = {rank + k * pp for k in range(v)}  # looped placement
+        for kind in "FB":
+            assert sorted((a.stage, a.microbatch) for a in actions if a.kind == kind) == \
+                sorted((s, i) for s in stages for i in range(m))
+        for s, i in {(a.stage, a.microbatch) for a in actions}:  # a backward after its forward
+            order = [a.kind for a in actions if (a.stage, a.microbatch) == (s, i)]
+            assert order == ["F", "B"]
+
+
+def test_1f1b_keeps_pp_minus_rank_in_flight_and_gpipe_all():
+    peaks = [in_flight_at_peak(a, {r: 1.0})[0] for r, a in enumerate(rank_actions("1F1B", 4, 1, 8))]
+    assert peaks == [4, 3, 2, 1]
+    assert [in_flight_at_peak(a, {r: 1.0})[0] for r, a in enumerate(rank_actions("GPipe", 2, 1, 3))] == [3, 3]
+
+
+def test_interleaved_holds_both_stages_at_once():
+    """llama405b_3d: pp 8, 2 stages per rank, 32 micro-batches. Rank 1 holds 13 micro-batches
+    of stage 1 and 8 of stage 9 when its backward starts: 21 in flight together, where
+    tracing each stage alone would see at most 15."""
+    actions = rank_actions("Interleaved1F1B", 8, 2, 32)[1]
+    held, per_stage, running = in_flight_at_peak(actions, {1: 1.0, 9: 1.0})
+    assert (held, per_stage) == (21, {1: 13, 9: 8})
+
+
+def test_the_replayed_prefix_reaches_the_peak_and_drains():
+    for actions in rank_actions("Interleaved1F1B", 8, 2, 32):
+        prefix = replay_prefix(actions)
+        weights = {s: 1.0 for s in {a.stage for a in actions}}
+        assert in_flight_at_peak(prefix, weights)[0] == in_flight_at_peak(actions, weights)[0]
+        assert counts(prefix)["F"] == counts(prefix)["B"] < counts(actions)["F"]
+        assert {a.stage for a in prefix if a.kind == "B"} == set(weights)
+
+
+def test_unsupported_schedules_say_which_are():
+    with pytest.raises(NotImplementedError, match="1F1B"):
+        rank_actions("ZBVZeroBubble", 2, 2, 4)
+    assert Action("F", 0, 0) != Action("B", 0, 0)
