@@ -13,6 +13,7 @@ loop. How each piece is built is training/recipe.py, shared with the dry run.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     from training.data import build_dataloader, build_tokenizer
     from training.faults import (CollectiveFailure, GracefulStop, describe_collective_failure,
                                  is_collective_failure, set_collective_timeout, step_phase)
-    from training.metrics import MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token
+    from training.metrics import (MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token,
+                                  set_aside_earlier_run)
 
     t = cfg.training
     torch.manual_seed(t.seed)  # torch's own generators too (every rank alike): a rerun repeats bitwise
@@ -69,16 +71,23 @@ def main(argv: list[str] | None = None) -> None:
     data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size)
     optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
     checkpoint, start_step = recipe.open_checkpoint(cfg, parts, optimizer, scheduler, data, run_dir)
+    if start_step >= t.steps:
+        say_nothing_to_do(start_step, t.steps, checkpoint)
+        checkpoint.close()
+        shutdown_distributed()
+        return
     if start_step == 0 and cfg.checkpoint.initial_load_hf:
         recipe.load_hf_weights(cfg, parts)
     step = recipe.build_step(cfg, layout, parts, optimizer, device)
+    if start_step == 0 and dist.get_rank() == 0:
+        set_aside_earlier_run(run_dir / "tb")                # a new run gets its own TensorBoard curve
     metrics = MetricsLogger(run_dir / "tb", rank=dist.get_rank(), log_freq=cfg.metrics.log_freq,
                             enable_tensorboard=cfg.metrics.enable_tensorboard, config_text=config_to_toml(cfg),
                             purge_step=start_step + 1 if start_step else None)
     peak, tokens_per_step = device_peak_flops(device), t.global_batch_size * t.seq_len
     announce(n_params, layout, mesh, start_step, run_dir)
 
-    stop, skipped = GracefulStop(), 0
+    stop, skipped, stopping, began = GracefulStop(), 0, None, time.perf_counter()
     try:
         for n in range(start_step + 1, t.steps + 1):
             start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
@@ -111,22 +120,50 @@ def main(argv: list[str] | None = None) -> None:
     if checkpoint is not None:
         checkpoint.close()
     metrics.close()
+    if not stopping:
+        say_done(start_step, n, time.perf_counter() - began, n - start_step, tokens_per_step, loss, checkpoint, run_dir)
     shutdown_distributed()
 
 
 # ---------------------------------------------------------------- the pieces main names
 
 def announce(n_params: int, layout, mesh, start_step: int, run_dir: Path) -> None:
+    """One line before the first step: the mesh, the model, how each step's batch is cut."""
     import torch.distributed as dist
 
     if dist.get_rank() != 0:
         return
-    pipeline = "" if not layout.pipelined else (
-        f" | {layout.schedule}: {len(layout.stage_layers)} stages of "
-        f"{'/'.join(str(len(s)) for s in layout.stage_layers)} layers, {layout.n_microbatches} micro-batches")
+    local = layout.local_batch * layout.grad_accum  # sequences per data-parallel rank per step
+    batch = f"{local} sequences per data-parallel rank per step"
+    if layout.grad_accum > 1:
+        batch += f", as {layout.grad_accum} accumulated forward/backward passes of {layout.local_batch}"
+    if layout.pipelined:
+        batch += (f" | pipeline {layout.schedule}: {len(layout.stage_layers)} stages of "
+                  f"{'/'.join(str(len(s)) for s in layout.stage_layers)} layers, each pass cut into "
+                  f"{layout.n_microbatches} micro-batches of {layout.local_batch // layout.n_microbatches}")
     resumed = f" | resumed at step {start_step}" if start_step else ""
-    print(f"meshtrain: {mesh} | {n_params / 1e6:,.1f}M parameters | {layout.grad_accum} micro-batch(es) per step"
-          f"{pipeline}{resumed} | logs in {run_dir}", flush=True)
+    print(f"meshtrain: {mesh} | {n_params / 1e6:,.1f}M parameters | {batch}{resumed} | logs in {run_dir}",
+          flush=True)
+
+
+def say_nothing_to_do(start_step: int, steps: int, checkpoint) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"meshtrain: nothing to do: the newest checkpoint in {checkpoint.folder} is step {start_step} "
+              f"and [training] steps = {steps}. Raise it to train on (e.g. --training.steps {2 * start_step})",
+              flush=True)
+
+
+def say_done(start_step: int, last: int, seconds: float, steps: int, tokens_per_step: int, loss: float,
+             checkpoint, run_dir: Path) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return
+    saved = f"checkpoints in {checkpoint.folder}" if checkpoint else "no checkpoints ([checkpoint] enable = false)"
+    print(f"meshtrain: done: steps {start_step + 1}-{last} in {seconds:.1f} s ({steps * tokens_per_step:,} tokens), "
+          f"final loss {loss:.4f} | {saved} | tensorboard --logdir {run_dir / 'tb'}", flush=True)
 
 
 def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, checkpoint, data, t) -> int:
@@ -180,7 +217,17 @@ def run(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if code == 3 or int(os.environ.get("RANK", 0)) == 0:
             print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
+        tell_torchrun(f"meshtrain: error: {err}")
         return code
+
+
+def tell_torchrun(message: str) -> None:
+    """torchrun ends a failed job with a report whose "Root Cause" shows each failed rank's
+    error file, or else a link about tracebacks; give it our one-line message instead."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):
+        with open(path, "w") as fh:
+            json.dump({"message": message, "timestamp": int(time.time())}, fh)
 
 
 def exit_code(err: Exception) -> int | None:

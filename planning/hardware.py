@@ -19,7 +19,8 @@ Assumptions, each used only to *rank* layouts, never to promise a number:
   typically 75-90% of the line rate; not measured here).
 - Memory: the vendors' "80 GB" / "141 GB" are what torch reports in GiB, less about 1 GiB
   the driver keeps (an H100 80GB shows ~79 GiB); we take the marketed number as GiB,
-  and the planner leaves 10% headroom on top (see plan.HEADROOM).
+  and both the planner and the dry run keep `HEADROOM` (10%) free on top: "fits" means
+  fits in `usable_bytes(gpu)`, one definition for both.
 - `hbm_bandwidth`: what a device-to-device copy reaches (measured on H100 and H200;
   90% of spec assumed for the A100s). Only the optimizer step, which is memory-bound,
   uses it.
@@ -69,6 +70,17 @@ GPUS: dict[str, GPU] = {
     "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8),
     "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8),
 }
+# What the allocator's peak must leave free: the CUDA context and NCCL's buffers (neither
+# is a tensor, so neither is traced or estimated) and the caching allocator's rounding and
+# fragmentation. An assumption, not a measurement (bench/results' H100 runs measured the
+# allocated peak, 0.2-6.3% below the dry run's traced one, not what a job needs beyond it).
+HEADROOM = 0.10
+
+
+def usable_bytes(gpu: "GPU") -> float:
+    return (1 - HEADROOM) * gpu.hbm_bytes
+
+
 ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "h200-141": "h200-141gb"}
 
 

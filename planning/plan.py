@@ -21,11 +21,10 @@ from collections import Counter
 from parallel.fsdp import check_strategy
 from parallel.mesh import LayoutError, ParallelDims, check_tp_fits
 from planning.cost import Estimate, Job, Layout, ModelShape, estimate, memory_per_gpu
-from planning.hardware import GIB, GPUS, get_gpu
+from planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 
 # Fraction of HBM left free for what the formulas do not count: the caching allocator's
 # fragmentation, the CUDA context, NCCL and cuBLAS workspaces.
-HEADROOM = 0.10
 AC_MODES = ("none", "selective", "full")
 # (schedule, stages per rank). GPipe is left out: same bubble as 1F1B, more memory.
 PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
@@ -100,7 +99,7 @@ def candidates(job: Job):
 def plan(job: Job) -> tuple[list[Estimate], Estimate | None, Counter]:
     """(the layouts that fit, fastest first; when none fits, the one needing the least
     memory; how many candidates each rule rejected)."""
-    budget = (1 - HEADROOM) * job.gpu.hbm_bytes
+    budget = usable_bytes(job.gpu)
     fitting, smallest, rejected = [], None, Counter()
     for lay in candidates(job):
         try:
@@ -150,7 +149,7 @@ def format_breakdown(e: Estimate, job: Job) -> str:
     for name in ("params", "grads", "optimizer", "activations", "transient"):
         lines.append(f"    {name:<12}{getattr(m, name) / GIB:8.2f}")
     lines.append(f"    {'total':<12}{m.total / GIB:8.2f}   of {job.gpu.hbm_bytes / GIB:.0f} "
-                 f"({(1 - HEADROOM) * job.gpu.hbm_bytes / GIB:.0f} usable)")
+                 f"({usable_bytes(job.gpu) / GIB:.0f} usable)")
     lines.append("  sent per GPU per step, GB:  " + "  ".join(
         f"{dim} {b / 1e9:.1f}" for dim, b in e.comm_bytes.items()))
     lines.append("  step time, s:  " + "  ".join(f"{k} {v:.2f}" for k, v in e.times.items())
@@ -255,11 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         raise PlanError(f"no valid layout for {job.world} GPUs: {reasons}")
     if not fitting:
         print(f"No layout fits: the best layout needs {smallest.memory.total / GIB:.1f} GiB of "
-              f"{gpu.hbm_bytes / GIB:.0f} GiB per GPU ({(1 - HEADROOM) * gpu.hbm_bytes / GIB:.1f} usable "
+              f"{gpu.hbm_bytes / GIB:.0f} GiB per GPU ({usable_bytes(gpu) / GIB:.1f} usable "
               f"with {HEADROOM:.0%} headroom): {describe(smallest.layout)}.")
         print(format_breakdown(smallest, job).replace("Best:", "Smallest:", 1))
         return 1
-    print(f"{len(fitting)} layouts fit in {(1 - HEADROOM) * gpu.hbm_bytes / GIB:.0f} GiB "
+    print(f"{len(fitting)} layouts fit in {usable_bytes(gpu) / GIB:.0f} GiB "
           f"({HEADROOM:.0%} headroom); the top {min(args.top, len(fitting))} by tokens/s/GPU:\n")
     print(format_table(fitting[:args.top]))
     print()

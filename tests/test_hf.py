@@ -224,6 +224,32 @@ def test_export_cli_from_dcp_checkpoint(tmp_path, capsys):
     assert "not a torch.distributed.checkpoint folder" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_export_runs_in_a_model_built_by_its_constructor(tmp_path, capsys):
+    # The FSDP1 full-state-dict replacement: export, then Llama(cfg).load_state_dict and run.
+    # The rotary tables are not in a state dict; the constructor must fill them. Judged by
+    # transformers' forward on the Hugging Face export of the same checkpoint.
+    model = random_llama()
+    ckpt = tmp_path / "checkpoint" / "step-00000010"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt, no_dist=True)
+    (ckpt / "model_config.json").write_text(json.dumps(dataclasses.asdict(model.cfg)))
+    assert export_main([str(ckpt), str(tmp_path / "model.pt"), "--format", "torch"]) == 0
+    assert export_main([str(ckpt), str(tmp_path / "hf"), "--format", "hf"]) == 0
+
+    loaded = Llama(LlamaConfig(**TINY))
+    loaded.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        logits = loaded(tokens())
+        assert torch.isfinite(logits).all()
+        torch.testing.assert_close(logits, hf(tokens()).logits, rtol=0, atol=1e-5)
+
+    # Pointed at the run's checkpoint folder instead of a step's: say which steps exist.
+    assert export_main([str(tmp_path / "checkpoint"), str(tmp_path / "x.pt"), "--format", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert "not one step's" in err and "steps saved: 10" in err and "step-00000010" in err, err
+
+
 def test_mismatched_checkpoint_names_the_tensor(hf_dir, tmp_path):
     with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight has shape \(128, 64\) in the "
                                          r"checkpoint, but the model's tok_embeddings\.weight is \(256, 64\)"):

@@ -17,7 +17,8 @@ from planning.cost import (BF16, FP32, Job, Layout, ModelShape, estimate, fsdp2_
 from parallel.fsdp import check_strategy
 from planning.hardware import GIB, get_gpu
 from parallel.pipeline import check_pipeline
-from planning.plan import HEADROOM, plan, resolve_model, run, to_toml
+from planning.hardware import HEADROOM
+from planning.plan import plan, resolve_model, run, to_toml
 from tests.conftest import ROOT
 from training.config_loader import load_config
 from training.metrics import flops_per_token

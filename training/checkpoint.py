@@ -178,7 +178,7 @@ class CheckpointManager:
         # Async saves talk over their own gloo group, so the background thread's
         # collectives never interleave with the training step's.
         self._pg = dist.new_group(backend="gloo") if async_save else None
-        self._pending: tuple[Future, Path, Path, dict] | None = None
+        self._pending: tuple[Future, Path, Path, dict, float] | None = None
 
     # ---------------------------------------------------------------- resume
 
@@ -309,6 +309,7 @@ class CheckpointManager:
         """Write step ``step``; returns at once under async save (the previous async save
         is finished first)."""
         self.finish_pending()
+        started = time.perf_counter()
         final = step_dir(self.folder, step)
         tmp = final.with_name(final.name + ".tmp")
         exists = [False]
@@ -338,20 +339,20 @@ class CheckpointManager:
         try:
             if self._pg is not None:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
-                self._pending = (future, tmp, final, meta)
+                self._pending = (future, tmp, final, meta, started)
             else:
                 dcp.save(state, checkpoint_id=str(tmp))
-                self._finalize(tmp, final, meta)
+                self._finalize(tmp, final, meta, started)
         except (Exception, CheckpointException) as err:
             raise self._save_failed(final, err) from err
 
     def finish_pending(self) -> None:
         if self._pending is not None:
-            future, tmp, final, meta = self._pending
+            future, tmp, final, meta, started = self._pending
             self._pending = None
             try:
                 future.result()
-                self._finalize(tmp, final, meta)
+                self._finalize(tmp, final, meta, started)
             except (Exception, CheckpointException) as err:
                 raise self._save_failed(final, err) from err
 
@@ -361,7 +362,7 @@ class CheckpointManager:
                                f"{', '.join(kept) or 'no earlier checkpoint'} in {self.folder} "
                                f"{'are' if len(kept) > 1 else 'is'} intact")
 
-    def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
+    def _finalize(self, tmp: Path, final: Path, meta: dict, started: float) -> None:
         """Rank 0, after DCP wrote its metadata (so every rank's shards are on disk):
         the side files, then one rename makes the checkpoint visible."""
         if self.rank != 0:
@@ -370,6 +371,9 @@ class CheckpointManager:
         _write(tmp / "model_config.json", json.dumps(self.model_config, indent=1))
         _write(tmp / "job_config.toml", self.job_config_text)
         tmp.rename(final)
+        what = "model weights" if meta["model_only"] else "model, optimizer and data position"
+        print(f"meshtrain: saved step {meta['step']} ({what}) to {final} in {time.perf_counter() - started:.1f} s"
+              + (" (written in the background)" if self._pg is not None else ""), flush=True)
         if self.keep_latest_k:
             for _, old in complete_checkpoints(self.folder)[:-self.keep_latest_k]:
                 # Renamed first, so a crash mid-delete cannot leave a half-deleted step-N.

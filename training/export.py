@@ -96,6 +96,12 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint folder {checkpoint_dir} does not exist")
+    steps = sorted((p for p in checkpoint_dir.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+                   key=lambda p: int(p.name[5:]))
+    if steps and not (checkpoint_dir / "model_config.json").exists():
+        raise FileNotFoundError(
+            f"{checkpoint_dir} is a run's checkpoint folder, not one step's; export a step folder, "
+            f"e.g. {steps[-1]} (steps saved: {', '.join(str(int(p.name[5:])) for p in steps)})")
     cfg = read_model_config(checkpoint_dir)
     tensors = model_tensors(checkpoint_dir, dtype)
     family = registry.get(read_family(checkpoint_dir))

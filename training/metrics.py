@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -151,6 +152,9 @@ _CONSOLE = {
     "peak_gib": ("mem", "{:.2f} GiB"),
     "peak_rss_gib": ("mem", "{:.2f} GiB"),
 }
+# One memory figure on the console (the peak, what decides an OOM); the rest go to
+# TensorBoard only.
+_TENSORBOARD_ONLY = {"rss_gib", "reserved_gib", "valley_gib"}
 
 
 def _format(key: str, value: float) -> str:
@@ -162,6 +166,26 @@ def _format(key: str, value: float) -> str:
     if isinstance(value, int):
         return f"{key} {value:,}"
     return f"{key} {value:.4g}"
+
+
+def set_aside_earlier_run(log_dir: str | Path) -> Path | None:
+    """A new run (not a resume) in a folder whose TensorBoard events belong to an earlier
+    one: move those into ``earlier-<time they were last written>/`` beside, so TensorBoard
+    shows both curves as two runs instead of one drawn over the other. Returns the folder
+    they went to, or None when there were none."""
+    log_dir = Path(log_dir)
+    events = sorted(log_dir.glob("events.out.tfevents.*")) if log_dir.is_dir() else []
+    if not events:
+        return None
+    written = max(e.stat().st_mtime for e in events)
+    aside = log_dir / time.strftime("earlier-%Y%m%d-%H%M%S", time.localtime(written))
+    while aside.exists():  # two earlier runs in one second
+        aside = aside.with_name(aside.name + "-")
+    aside.mkdir()
+    for e in events:
+        e.rename(aside / e.name)
+    print(f"meshtrain: this is a new run; the earlier run's TensorBoard events are now in {aside}", flush=True)
+    return aside
 
 
 class MetricsLogger:
@@ -193,7 +217,8 @@ class MetricsLogger:
         if self.rank != 0:
             return
         scalars = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-        print(" | ".join([f"step {step:>4d}"] + [_format(k, v) for k, v in scalars.items()]), flush=True)
+        shown = [_format(k, v) for k, v in scalars.items() if k not in _TENSORBOARD_ONLY]
+        print(" | ".join([f"step {step:>4d}", *shown]), flush=True)
         writer = self._get_writer()
         if writer is None:
             return

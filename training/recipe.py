@@ -86,6 +86,15 @@ class RunLayout:
         return self.stage_layers is not None
 
 
+def _launch_hint(p) -> str:
+    """The next step after a world that does not fit the [parallelism] degrees."""
+    fixed = p.pp * p.dp_replicate * p.tp
+    n = fixed * (p.dp_shard if p.dp_shard > 0 else 1)
+    many = "" if p.dp_shard > 0 else " (or a multiple: dp_shard = -1 takes the rest)"
+    return (f"These degrees need {n} processes{many}: launch `torchrun --nproc-per-node {n} train.py ...`, "
+            f"or for a dry run pass `--world-size {n}`; or change the [parallelism] degrees")
+
+
 def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None, *,
                 gpus_per_node: int | None = None, this_machine: bool = True) -> RunLayout:
     """Everything about the layout that can be known without a process group, checked:
@@ -94,7 +103,11 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
     another), the files named and the speed options against this machine.
     ``gpus_per_node``: warn when TP would leave a node (default: torchrun's local world on CUDA)."""
     t, p = cfg.training, cfg.parallelism
-    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world_size)
+    try:
+        dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp,
+                            world_size=world_size)
+    except LayoutError as err:
+        raise LayoutError(f"{err}. {_launch_hint(p)}") from None
     if gpus_per_node is None and this_machine and device_type(cfg) == "cuda":
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
     dims.check_model(model.tp_divisible(), seq_len=t.seq_len, sequence_parallel=p.sequence_parallel,

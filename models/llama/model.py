@@ -110,9 +110,12 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Rotary tables are derived data: not saved, recomputed by init_weights.
+        # Rotary tables are derived data: not saved, so filled here (a model built by its
+        # constructor runs, e.g. after load_state_dict of an export) and again by
+        # init_weights after a meta model is materialized.
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        self.init_buffers()
 
     @classmethod
     def from_flavor(cls, flavor: str, *, meta: bool = False, **overrides) -> "Llama":
@@ -189,6 +192,7 @@ class Llama(nn.Module):
             self.init_buffers()
 
     def init_buffers(self) -> None:
+        """Fill the rotary tables (on meta this allocates and computes nothing)."""
         angles = torch.outer(torch.arange(self.cfg.max_seq_len, dtype=torch.float64),
                              rope_frequencies(self.cfg))
         self.rope_cos.copy_(angles.cos())

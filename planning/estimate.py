@@ -1,0 +1,119 @@
+"""The planner's estimate for one given config, not a search: memory per GPU by category,
+step time by part, tokens/s/GPU and MFU, from the same formulas `planning.plan` ranks with.
+
+    python -m planning.estimate --config llama70b_2d --world-size 64 --gpu h100-80gb [--json]
+
+The dry run (`train.py --dry-run --gpu ...`) prints this estimate beside its traced peak,
+so the two say whether they agree. Formulas, not measurements: docs/planning.md says
+how far they are from traced and measured steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from planning.cost import Estimate, Job, Layout, ModelShape, estimate
+from planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+
+AC_MODELLED = ("none", "selective", "full")
+SCHEDULES_MODELLED = ("1F1B", "Interleaved1F1B")
+
+
+class NotModelled(ValueError):
+    """The config uses something the formulas do not cover; the message says what."""
+
+
+def planner_layout(cfg, layout, model_cfg, world_size: int, gpus_per_node: int, gpu) -> tuple[Job, Layout]:
+    """The planner's (Job, Layout) for a train.py config whose layout train.py resolved
+    (training.recipe.plan_layout) and whose model it built (``model_cfg``)."""
+    ac, p = cfg.activation_checkpoint, cfg.parallelism
+    if ac.mode not in AC_MODELLED or (ac.mode == "selective" and ac.selective_every != 2):
+        raise NotModelled(f"[activation_checkpoint] mode = \"{ac.mode}\"" +
+                          (f", selective_every = {ac.selective_every}" if ac.mode == "selective" else "") +
+                          ": the formulas know none, full, and selective with every 2nd block")
+    if layout.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        raise NotModelled(f"sharding strategy {layout.strategy}: the formulas assume FSDP shards the model")
+    if layout.pipelined and layout.schedule not in SCHEDULES_MODELLED:
+        raise NotModelled(f"pp_schedule = \"{layout.schedule}\": the formulas know {', '.join(SCHEDULES_MODELLED)}")
+    if p.pp_layers_per_stage or p.pp_split_points:
+        raise NotModelled("a hand-placed pipeline split: the formulas split layers evenly")
+    shape = ModelShape.from_flavor(cfg.model.flavor, model_cfg.vocab_size, cfg.model.name)
+    shape = dataclasses.replace(shape, n_layers=model_cfg.n_layers)  # [model] n_layers may override
+    per_node = min(gpus_per_node, world_size)
+    job = Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size)
+    dims = layout.dims
+    lay = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
+                 strategy=layout.strategy, ac=ac.mode,
+                 micro_batch=layout.local_batch // layout.n_microbatches if layout.pipelined else layout.local_batch,
+                 pp_schedule=layout.schedule or "1F1B", pp_microbatches=layout.n_microbatches,
+                 stages_per_rank=layout.stages_per_rank)
+    return job, lay
+
+
+def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:
+    """Build the config's model on meta and resolve its layout as train.py does (every
+    check applies), then estimate it. Raises NotModelled for what the formulas lack."""
+    from training import recipe
+
+    model = recipe.build_model(cfg, tokenizer_vocab=1)
+    layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
+    return estimate(*planner_layout(cfg, layout, model.cfg, world_size, gpus_per_node, gpu))
+
+
+def as_dict(e: Estimate, gpu) -> dict:
+    m = e.memory
+    return {"memory_gib": {k: getattr(m, k) / GIB for k in ("params", "grads", "optimizer", "activations",
+                                                            "transient")} | {"total": m.total / GIB},
+            "usable_gib": usable_bytes(gpu) / GIB, "headroom": HEADROOM, "fits": m.total <= usable_bytes(gpu),
+            "step_seconds": e.step_time, "times": e.times, "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
+            "mfu": e.mfu, "sent_gb_per_gpu": {k: v / 1e9 for k, v in e.comm_bytes.items()}}
+
+
+def format_estimate(e: Estimate, gpu) -> str:
+    d, m = as_dict(e, gpu), e.memory
+    where = f" (pipeline rank {m.pp_rank}, the fullest)" if e.layout.pp > 1 else ""
+    lines = [f"memory per GPU{where}, GiB (formulas):"]
+    lines += [f"  {k:<12}{v:8.2f}" for k, v in d["memory_gib"].items()]
+    verdict = "fits" if d["fits"] else "does NOT fit"
+    lines.append(f"  {verdict} in {d['usable_gib']:.0f} GiB usable ({gpu.hbm_bytes / GIB:.0f} GiB less "
+                 f"{HEADROOM:.0%} headroom)")
+    lines.append("step time, s: " + "  ".join(f"{k} {v:.2f}" for k, v in e.times.items()) + f"  = {e.step_time:.2f}")
+    lines.append(f"throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%} "
+                 f"(assumes {gpu.matmul_efficiency:.0%} of the bf16 peak for every matmul: an upper bound)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from training.config import ConfigError
+    from training.config_loader import load_config
+    from parallel import LayoutError
+
+    ap = argparse.ArgumentParser(prog="python -m planning.estimate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="a configs/ name or a TOML file")
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
+    ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    args = ap.parse_args(argv)
+    try:
+        gpu = get_gpu(args.gpu)
+        cfg = load_config(args.config)
+        e = estimate_config(cfg, args.world_size, args.gpus_per_node, gpu)
+    except (KeyError, ConfigError, LayoutError, NotModelled) as err:
+        print(f"meshtrain: error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(as_dict(e, gpu), indent=1))
+    else:
+        from planning.plan import describe
+
+        print(f"{cfg.job.name} at {args.world_size} ranks on {gpu.name}: {describe(e.layout)}")
+        print(format_estimate(e, gpu))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

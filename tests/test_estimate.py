@@ -1,0 +1,47 @@
+"""`python -m planning.estimate`: the planner's numbers for one given config are the
+search's numbers for that very layout, and what the formulas do not model is refused."""
+
+import json
+import tomllib
+
+import pytest
+
+from planning.cost import Job, estimate
+from planning.estimate import NotModelled, estimate_config, main
+from planning.hardware import get_gpu
+from planning.plan import candidates, resolve_model, to_toml
+from training.config_loader import load_config
+
+H100 = get_gpu("h100-80gb")
+
+
+@pytest.mark.parametrize("pick", [
+    dict(pp=1, tp=2, ac="selective", strategy="FULL_SHARD", micro_batch=1),
+    dict(pp=4, tp=8, ac="full", strategy="SHARD_GRAD_OP", micro_batch=1, stages_per_rank=2),
+], ids=["tp2-fsdp", "pp4-interleaved"])
+def test_a_planner_written_config_is_estimated_as_the_search_ranked_it(tmp_path, pick):
+    # A layout of the search, written as a train.py config and read back: the config ->
+    # layout mapping must land on the very layout the search estimated.
+    job = Job(resolve_model("70B"), H100, 8, 8, 8192, 64)
+    lay = next(lay for lay in candidates(job) if all(getattr(lay, k) == v for k, v in pick.items()))
+    text = to_toml(estimate(job, lay), job, "planned", "test")
+    (tmp_path / "planned.toml").write_text(text)
+    got = estimate_config(load_config(tmp_path / "planned.toml"), job.world, 8, H100)
+    assert got.layout == lay
+    assert got.memory.total == estimate(job, lay).memory.total
+    assert tomllib.loads(text)["parallelism"]["tp"] == lay.tp
+
+
+def test_what_the_formulas_lack_is_refused_by_name(capsys):
+    with pytest.raises(NotModelled, match='mode = "op"'):
+        estimate_config(load_config("debug_2d", ["--activation_checkpoint.mode=op"]), 4, 8, H100)
+    assert main(["--config", "debug_2d", "--world-size", "3"]) == 2
+    assert "--world-size 4" in capsys.readouterr().err
+
+
+def test_json_has_every_category_and_the_fits_rule_the_dry_run_uses(capsys):
+    assert main(["--config", "llama70b_2d", "--world-size", "64", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert set(d["memory_gib"]) == {"params", "grads", "optimizer", "activations", "transient", "total"}
+    assert d["usable_gib"] == pytest.approx(72.0) and d["fits"] == (d["memory_gib"]["total"] <= 72.0)
+    assert d["tokens_per_s_per_gpu"] > 0 and 0 < d["mfu"] < 1
