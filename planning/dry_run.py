@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planning.hardware import GIB as GiB
+from planning.hardware import HEADROOM
 
 
 # ---------------------------------------------------------------- communication
@@ -316,11 +317,11 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     from parallel.mesh import LayoutError
     from training import recipe
 
-    capacity = None
+    card = None
     if gpu:
         from planning.hardware import get_gpu
         try:
-            capacity = get_gpu(gpu).hbm_bytes
+            card = get_gpu(gpu)
         except KeyError as err:
             raise LayoutError(f"--gpu={gpu}: {err.args[0]}") from None
     if rank >= world_size:
@@ -335,6 +336,8 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     _clear_sharding_prop_cache()
     try:
+        say = (lambda text: None) if quiet else (lambda text: print(f"meshtrain dry run: {text}", flush=True))
+        say(f"building rank {rank} of {world_size}: model on meta, mesh, TP / FSDP / pipeline stages ...")
         model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
         layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
         mesh = layout.dims.build_mesh("cpu")
@@ -348,6 +351,8 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
         report = {"world_size": world_size, "rank": rank, "mesh": describe_mesh(mesh, rank, gpus_per_node),
                   "stages": [(i, stage_layers[i] if stage_layers else None) for i, _ in parts],
                   "parameters": _param_counts(modules, model)}
+        say(f"tracing one training step on fake tensors ({time.perf_counter() - started:.0f} s so far; "
+            f"half a minute for 405B at 512 ranks) ...")
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
@@ -367,14 +372,35 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
         if stage_layers is not None:
             report["comm"].update(_pipeline_boundary(cfg, layout, parts, model.cfg))
         report["seconds"] = time.perf_counter() - started
-        if capacity is not None:
-            report["gpu"], report["capacity"] = gpu, capacity
-            report["fits"] = report["memory"]["total"] <= capacity
+        if card is not None:
+            report.update(judge_fit(report["memory"]["total"], card, cfg, layout, model.cfg, world_size,
+                                    gpus_per_node, rank))
     finally:
         dist.destroy_process_group()
     if not quiet:
         print_report(report, cfg)
     return report
+
+
+def judge_fit(peak: int, card, cfg, layout, model_cfg, world_size: int, gpus_per_node: int, rank: int) -> dict:
+    """Fits by the planner's rule (planning.hardware.usable_bytes: the same headroom), and
+    the planner's own estimate of this very layout beside the trace, so a planner-written
+    config's dry run says whether the two agree."""
+    from planning.cost import estimate
+    from planning.estimate import NotModelled, planner_layout
+    from planning.hardware import usable_bytes
+
+    out = {"gpu": card.name, "capacity": card.hbm_bytes, "usable": usable_bytes(card),
+           "fits": peak <= usable_bytes(card)}
+    try:
+        e = estimate(*planner_layout(cfg, layout, model_cfg, world_size, gpus_per_node, card))
+    except NotModelled as err:
+        out["estimate_missing"] = str(err)
+        return out
+    pp_rank = rank // (world_size // layout.dims.pp)  # pp is the outermost mesh dimension
+    out["estimate"] = {"total": e.memory.total, "pp_rank": e.memory.pp_rank, "traced_pp_rank": pp_rank,
+                       "fits": e.memory.total <= usable_bytes(card)}
+    return out
 
 
 def describe_mesh(mesh, rank: int, gpus_per_node: int) -> list[str]:
@@ -409,6 +435,25 @@ def _pipeline_boundary(cfg, layout, parts, model_cfg) -> dict:
     return {("pp", "send/recv"): (count, count * per_mb, count * per_mb / 2)}  # half of them are sends
 
 
+def format_fit(report: dict) -> str:
+    need, usable, hbm = report["memory"]["total"] / GiB, report["usable"] / GiB, report["capacity"] / GiB
+    rule = f"{usable:.0f} GiB usable of {hbm:.0f} on a {report['gpu']}, {HEADROOM:.0%} kept for the CUDA context, NCCL and fragmentation"
+    lines = [f"fits: peak {need:.1f} GiB in {rule}" if report["fits"] else
+             f"does NOT fit: peak {need:.1f} GiB, {need - usable:.1f} GiB over the {rule}"]
+    if "estimate" in report:
+        est = report["estimate"]
+        planned = est["total"] / GiB
+        which = ("" if est["pp_rank"] == est["traced_pp_rank"] else
+                 f"; it is for pipeline rank {est['pp_rank']}, the fullest, and this trace is of pipeline rank "
+                 f"{est['traced_pp_rank']}: trace that rank to compare like with like")
+        agree = "agree" if est["fits"] == report["fits"] else "DISAGREE"
+        lines.append(f"planner's estimate of this layout (python -m planning.estimate): {planned:.1f} GiB, "
+                     f"the trace {100 * (need / planned - 1):+.0f}% from it; they {agree} on fits{which}")
+    elif "estimate_missing" in report:
+        lines.append(f"no planner estimate to compare: {report['estimate_missing']}")
+    return "\n".join(lines)
+
+
 def print_report(report: dict, cfg) -> None:
     print(f"meshtrain dry run: {cfg.job.name}, rank {report['rank']} of {report['world_size']} "
           f"(fake process group; traced in {report['seconds']:.1f} s)")
@@ -426,11 +471,7 @@ def print_report(report: dict, cfg) -> None:
     for key, value in report["memory"].items():
         print(f"  {key:<20} {value / size:12.2f} {report['memory_between_steps'][key] / size:14.2f}")
     if "fits" in report:
-        need, have = report["memory"]["total"] / GiB, report["capacity"] / GiB
-        verdict = (f"fits: peak {need:.1f} GiB of {have:.0f} GiB" if report["fits"] else
-                   f"does NOT fit: peak {need:.1f} GiB, {have:.0f} GiB on a {report['gpu']}, "
-                   f"{need - have:.1f} GiB over")
-        print(f"{verdict} (allocator fragmentation and the CUDA context come on top)")
+        print(format_fit(report))
     print("communication per step (this rank):")
     print(f"  {'dimension':<18} {'collective':<15} {'count':>6} {'payload GiB':>12} {'sent GiB':>10}")
     for (dim, kind), (count, payload, sent) in sorted(report["comm"].items()):

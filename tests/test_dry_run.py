@@ -11,7 +11,8 @@ import pytest
 
 from tests.conftest import ROOT
 from training.config_loader import load_config
-from planning.dry_run import GiB, dry_run
+from planning.dry_run import GiB, dry_run, format_fit
+from planning.plan import run as plan_run
 
 
 def model_states(report) -> int:
@@ -43,7 +44,27 @@ def test_llama70b_2d_at_64_ranks_fits_an_h100_and_its_traffic_is_the_closed_form
     assert 0.95 * accum * 2 * 2 * dp * held <= ag_bytes <= accum * 2 * 2 * dp * held * 1.01  # bf16, twice
     out = capsys.readouterr().out
     assert "tp            group of rank 9: ranks [8, 9, 10, 11, 12, 13, 14, 15] on node 1" in out
-    assert "fits: peak" in out
+    assert "fits: peak" in out and "72 GiB usable of 80" in out  # the planner's headroom, named
+    assert report["estimate"]["total"] == pytest.approx(report["memory"]["total"], rel=0.10)
+    assert "planner's estimate of this layout" in out and "they agree on fits" in out
+
+
+def test_the_dry_run_of_the_planners_pick_agrees_on_fits(tmp_path, capsys):
+    # The README's planning command, its pick written as a config, then dry-run: one rule
+    # for "fits" (the same headroom) and the planner's estimate beside the traced peak.
+    assert plan_run(["--model", "70B", "--nodes", "8", "--gpu", "h100-80gb", "--seq-len", "8192",
+                     "--global-batch", "512", "--write", str(tmp_path / "planned.toml")]) == 0
+    report = dry_run(load_config(tmp_path / "planned.toml"), 64, gpu="h100-80gb")
+    assert report["fits"] and report["estimate"]["fits"]
+    assert report["memory"]["total"] <= report["usable"] == pytest.approx(0.9 * 80 * GiB)
+    assert "they agree on fits" in capsys.readouterr().out
+
+
+def test_a_disagreement_on_fits_is_said():
+    report = {"memory": {"total": 75 * GiB}, "usable": 72 * GiB, "capacity": 80 * GiB, "gpu": "H100",
+              "fits": False, "estimate": {"total": 65 * GiB, "fits": True, "pp_rank": 0, "traced_pp_rank": 0}}
+    text = format_fit(report)
+    assert "does NOT fit: peak 75.0 GiB, 3.0 GiB over" in text and "+15% from it; they DISAGREE" in text
 
 
 def test_llama70b_2d_at_512_ranks():
@@ -108,3 +129,14 @@ def test_the_fake_trace_counts_what_the_same_step_on_real_tensors_allocates():
     real = dry_run(load_config("debug_2d", over), 4, fake=False, quiet=True)
     assert fake["memory"]["total"] == pytest.approx(real["memory"]["total"], rel=0.01)
     assert fake["memory"]["activations"] == pytest.approx(real["memory"]["activations"], rel=0.01)
+
+
+def test_gpt2_175b_full_ac_holds_the_block_inputs_korthikanti_counts():
+    # Korthikanti et al. 2022, full recomputation: each block keeps only its input, 2sbh
+    # bytes in bf16, / tp under sequence parallel. GPT-2's categories must show it as
+    # activations, as Llama's do (it once read 0.00).
+    cfg = load_config("gpt2_175b")
+    report = dry_run(cfg, 128, gpu="h100-80gb")
+    t, s, b, h, layers = 8, cfg.training.seq_len, cfg.training.local_batch_size, 12288, 96
+    assert report["memory"]["activations"] == pytest.approx(layers * 2 * s * b * h / t, rel=0.05)
+    assert report["fits"] and report["estimate"]["fits"]
