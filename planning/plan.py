@@ -193,6 +193,36 @@ def to_toml(e: Estimate, job: Job, name: str, command: str) -> str:
         "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", ""])
 
 
+def verify(estimates: list[Estimate], job: Job) -> list[Estimate]:
+    """Dry-run each layout (its config as --write would write it) at the job's world size,
+    on the first rank of the pipeline rank the estimate says is fullest, and print traced beside estimated peaks; a layout whose trace does not fit
+    drops to the end, and one where the two differ by more than 10% is flagged. Returns
+    the layouts re-ranked: those the trace says fit, fastest first, then the others."""
+    import tempfile
+    from pathlib import Path
+
+    from planning.dry_run import dry_run
+    from training.config_loader import load_config
+
+    print(f"\nVerifying the top {len(estimates)} with a dry run each ({job.world} ranks, fake tensors):")
+    traced = []
+    with tempfile.TemporaryDirectory() as folder:
+        for i, e in enumerate(estimates, 1):
+            path = Path(folder) / f"verify_{i}.toml"
+            path.write_text(to_toml(e, job, path.stem, "python -m planning.plan --verify"))
+            rank = e.memory.pp_rank * (job.world // e.layout.pp)  # pp is the outermost mesh dimension
+            report = dry_run(load_config(path), job.world, rank, gpus_per_node=job.gpus_per_node, quiet=True)
+            peak = report["memory"]["total"]
+            traced.append((e, peak))
+            off = peak / e.memory.total - 1
+            flag = "  <-- differ by more than 10%" if abs(off) > 0.10 else ""
+            fits = "fits" if peak <= usable_bytes(job.gpu) else "does NOT fit"
+            print(f"  {i}. {describe(e.layout)}: estimated {e.memory.total / GIB:.1f} GiB, traced "
+                  f"{peak / GIB:.1f} GiB ({off:+.0%}, {report['seconds']:.0f} s), {fits}{flag}")
+    ok = [e for e, peak in traced if peak <= usable_bytes(job.gpu)]
+    return ok + [e for e, peak in traced if peak > usable_bytes(job.gpu)]
+
+
 # ---------------------------------------------------------------- command line
 
 class _Parser(argparse.ArgumentParser):
@@ -214,12 +244,17 @@ def parse_args(argv):
                         "large-matmul fraction, an upper bound for a whole step)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--write", metavar="PATH.toml", help="write the best layout as a train.py config")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="dry-run the top K layouts at full world size (train.py --dry-run, fake tensors: "
+                        "tens of seconds each for 70B) and re-rank them by traced memory")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.verify < 0:
+        raise PlanError("--verify must be at least 0")
     for flag in ("nodes", "gpus_per_node", "seq_len", "global_batch", "top"):
         if getattr(args, flag) < 1:
             raise PlanError(f"--{flag.replace('_', '-')} must be at least 1")
@@ -263,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(fitting[:args.top]))
     print()
     print(format_breakdown(fitting[0], job))
+    if args.verify:
+        fitting = verify(fitting[:args.verify], job) + fitting[args.verify:]
     if args.write:
         from pathlib import Path
 

@@ -251,3 +251,26 @@ def test_cli_error_from_a_subprocess():
     proc = _cli("--model", "8B", "--nodes", "0", "--seq-len", "8192", "--global-batch", "16")
     assert proc.returncode == 2
     assert proc.stderr.startswith("meshtrain: error: ") and "Traceback" not in proc.stderr
+
+
+def test_verify_dry_runs_the_top_layouts_and_reranks_by_traced_memory(capsys, monkeypatch):
+    # The real dry run on a small model: each verified layout gets a traced peak.
+    job = Job(resolve_model("1B"), H100, nodes=1, gpus_per_node=4, seq_len=1024, global_batch=4)
+    fitting, _, _ = plan(job)
+    from planning.plan import verify
+
+    kept = verify(fitting[:2], job)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "traced" in line]
+    assert len(lines) == 2 and all("GiB" in line for line in lines)
+    assert sorted(map(id, kept)) == sorted(map(id, fitting[:2]))
+
+    # A layout whose trace does not fit drops behind one whose trace does, and a trace
+    # far from the estimate is flagged.
+    import planning.dry_run
+
+    peaks = iter([100 * GIB, fitting[1].memory.total])
+    monkeypatch.setattr(planning.dry_run, "dry_run",
+                        lambda *a, **k: {"memory": {"total": next(peaks)}, "seconds": 0.0})
+    assert verify(fitting[:2], job) == [fitting[1], fitting[0]]
+    out = capsys.readouterr().out
+    assert "does NOT fit  <-- differ by more than 10%" in out and out.count("<--") == 1
