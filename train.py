@@ -47,9 +47,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from parallel import mesh_coordinate, shutdown_distributed
     from training import recipe
+    from training.console import announce, say_done, say_nothing_to_do, say_stopped
     from training.data import build_dataloader, build_tokenizer
     from training.faults import (CollectiveFailure, GracefulStop, describe_collective_failure,
-                                 is_collective_failure, set_collective_timeout, step_phase)
+                                 is_collective_failure, set_collective_timeout, skip_or_stop, step_phase)
     from training.metrics import (MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token,
                                   set_aside_earlier_run)
 
@@ -123,80 +124,6 @@ def main(argv: list[str] | None = None) -> None:
     if not stopping:
         say_done(start_step, n, time.perf_counter() - began, n - start_step, tokens_per_step, loss, checkpoint, run_dir)
     shutdown_distributed()
-
-
-# ---------------------------------------------------------------- the pieces main names
-
-def announce(n_params: int, layout, mesh, start_step: int, run_dir: Path) -> None:
-    """One line before the first step: the mesh, the model, how each step's batch is cut."""
-    import torch.distributed as dist
-
-    if dist.get_rank() != 0:
-        return
-    local = layout.local_batch * layout.grad_accum  # sequences per data-parallel rank per step
-    batch = f"{local} sequences per data-parallel rank per step"
-    if layout.grad_accum > 1:
-        batch += f", as {layout.grad_accum} accumulated forward/backward passes of {layout.local_batch}"
-    if layout.pipelined:
-        batch += (f" | pipeline {layout.schedule}: {len(layout.stage_layers)} stages of "
-                  f"{'/'.join(str(len(s)) for s in layout.stage_layers)} layers, each pass cut into "
-                  f"{layout.n_microbatches} micro-batches of {layout.local_batch // layout.n_microbatches}")
-    resumed = f" | resumed at step {start_step}" if start_step else ""
-    print(f"meshtrain: {mesh} | {n_params / 1e6:,.1f}M parameters | {batch}{resumed} | logs in {run_dir}",
-          flush=True)
-
-
-def say_nothing_to_do(start_step: int, steps: int, checkpoint) -> None:
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        print(f"meshtrain: nothing to do: the newest checkpoint in {checkpoint.folder} is step {start_step} "
-              f"and [training] steps = {steps}. Raise it to train on (e.g. --training.steps {2 * start_step})",
-              flush=True)
-
-
-def say_done(start_step: int, last: int, seconds: float, steps: int, tokens_per_step: int, loss: float,
-             checkpoint, run_dir: Path) -> None:
-    import torch.distributed as dist
-
-    if dist.get_rank() != 0:
-        return
-    saved = f"checkpoints in {checkpoint.folder}" if checkpoint else "no checkpoints ([checkpoint] enable = false)"
-    print(f"meshtrain: done: steps {start_step + 1}-{last} in {seconds:.1f} s ({steps * tokens_per_step:,} tokens), "
-          f"final loss {loss:.4f} | {saved} | tensorboard --logdir {run_dir / 'tb'}", flush=True)
-
-
-def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, checkpoint, data, t) -> int:
-    """A step whose loss or gradient norm is inf/NaN (its update was not applied): count it
-    and go on, or keep the last good state and stop. Returns the skipped count."""
-    import torch.distributed as dist
-
-    from training.faults import NonFiniteError
-
-    skipped += 1
-    if t.nonfinite == "stop" or skipped > t.max_skipped_steps:
-        saved = ""
-        if checkpoint is not None and step > 1:  # the weights are still those after step - 1
-            checkpoint.save(step - 1, data_state=data.state_dict())
-            checkpoint.close()
-            saved = f" The last good state is checkpointed as step {step - 1}."
-        why = "[training] nonfinite = \"stop\"" if t.nonfinite == "stop" else \
-            f"{skipped} steps skipped, more than [training] max_skipped_steps = {t.max_skipped_steps}"
-        raise NonFiniteError(f"step {step}: loss {loss}, grad_norm {grad_norm} ({why}).{saved} Lower the learning "
-                             f"rate, check the data, or set nonfinite = \"skip\".")
-    if dist.get_rank() == 0:
-        print(f"meshtrain: warning: step {step}: loss {loss}, grad_norm {grad_norm}; step skipped "
-              f"({skipped} of at most {t.max_skipped_steps})", file=sys.stderr, flush=True)
-    return skipped
-
-
-def say_stopped(signal_name: str, step: int, checkpoint) -> None:
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        saved = "checkpoint saved; run the same command to resume" if checkpoint else \
-            "checkpointing is off, so a rerun starts over"
-        print(f"meshtrain: {signal_name} received: stopped after step {step}; {saved}", flush=True)
 
 
 def run(argv: list[str] | None = None) -> int:

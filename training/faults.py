@@ -7,6 +7,8 @@
 - `set_collective_timeout`: the first step may legitimately be slow (compilation, the
   pipeline's shape inference, a cold file system); after it, a collective that waits
   longer than `train_timeout_seconds` means a rank died or stalled.
+- `skip_or_stop`: a step with an inf/NaN loss or gradient norm was not applied; skip it, or
+  checkpoint the last good state and stop (`[training] nonfinite`).
 - `step_phase` / `CollectiveFailure`: which part of which step a rank was in when a
   collective failed, so the error names it instead of printing a gloo/NCCL stack.
 """
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 from datetime import timedelta
 
 import torch
@@ -88,3 +91,23 @@ def describe_collective_failure(err: BaseException, timeout: float) -> str:
     return (f"rank {dist.get_rank() if dist.is_initialized() else 0}: a collective failed during "
             f"{step_phase.current}: another rank died or stalled (train_timeout_seconds = {timeout:g}). "
             f"The newest complete checkpoint is intact; rerun the same command to resume. ({first})")
+
+
+def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, checkpoint, data, t) -> int:
+    """A step whose loss or gradient norm is inf/NaN (its update was not applied): count it
+    and go on, or keep the last good state and stop. Returns the skipped count."""
+    skipped += 1
+    if t.nonfinite == "stop" or skipped > t.max_skipped_steps:
+        saved = ""
+        if checkpoint is not None and step > 1:  # the weights are still those after step - 1
+            checkpoint.save(step - 1, data_state=data.state_dict())
+            checkpoint.close()
+            saved = f" The last good state is checkpointed as step {step - 1}."
+        why = "[training] nonfinite = \"stop\"" if t.nonfinite == "stop" else \
+            f"{skipped} steps skipped, more than [training] max_skipped_steps = {t.max_skipped_steps}"
+        raise NonFiniteError(f"step {step}: loss {loss}, grad_norm {grad_norm} ({why}).{saved} Lower the learning "
+                             f"rate, check the data, or set nonfinite = \"skip\".")
+    if dist.get_rank() == 0:
+        print(f"meshtrain: warning: step {step}: loss {loss}, grad_norm {grad_norm}; step skipped "
+              f"({skipped} of at most {t.max_skipped_steps})", file=sys.stderr, flush=True)
+    return skipped

@@ -1,0 +1,49 @@
+"""What rank 0 tells the user about a run, one line each: how it is laid out before the
+first step, that a finished job has nothing left to do, that a signal stopped it, and a
+summary at the end. (The per-step line is training/metrics.py's.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def announce(n_params: int, layout, mesh, start_step: int, run_dir: Path) -> None:
+    """One line before the first step: the mesh, the model, how each step's batch is cut."""
+    if dist.get_rank() != 0:
+        return
+    local = layout.local_batch * layout.grad_accum  # sequences per data-parallel rank per step
+    batch = f"{local} sequences per data-parallel rank per step"
+    if layout.grad_accum > 1:
+        batch += f", as {layout.grad_accum} accumulated forward/backward passes of {layout.local_batch}"
+    if layout.pipelined:
+        batch += (f" | pipeline {layout.schedule}: {len(layout.stage_layers)} stages of "
+                  f"{'/'.join(str(len(s)) for s in layout.stage_layers)} layers, each pass cut into "
+                  f"{layout.n_microbatches} micro-batches of {layout.local_batch // layout.n_microbatches}")
+    resumed = f" | resumed at step {start_step}" if start_step else ""
+    print(f"meshtrain: {mesh} | {n_params / 1e6:,.1f}M parameters | {batch}{resumed} | logs in {run_dir}",
+          flush=True)
+
+
+def say_nothing_to_do(start_step: int, steps: int, checkpoint) -> None:
+    if dist.get_rank() == 0:
+        print(f"meshtrain: nothing to do: the newest checkpoint in {checkpoint.folder} is step {start_step} "
+              f"and [training] steps = {steps}. Raise it to train on (e.g. --training.steps {2 * start_step})",
+              flush=True)
+
+
+def say_stopped(signal_name: str, step: int, checkpoint) -> None:
+    if dist.get_rank() == 0:
+        saved = "checkpoint saved; run the same command to resume" if checkpoint else \
+            "checkpointing is off, so a rerun starts over"
+        print(f"meshtrain: {signal_name} received: stopped after step {step}; {saved}", flush=True)
+
+
+def say_done(start_step: int, last: int, seconds: float, steps: int, tokens_per_step: int, loss: float,
+             checkpoint, run_dir: Path) -> None:
+    if dist.get_rank() != 0:
+        return
+    saved = f"checkpoints in {checkpoint.folder}" if checkpoint else "no checkpoints ([checkpoint] enable = false)"
+    print(f"meshtrain: done: steps {start_step + 1}-{last} in {seconds:.1f} s ({steps * tokens_per_step:,} tokens), "
+          f"final loss {loss:.4f} | {saved} | tensorboard --logdir {run_dir / 'tb'}", flush=True)
