@@ -84,7 +84,8 @@ class TrainingSection:
     local_batch_size: int = opt(0, "sequences per forward on one rank; 0: global/dp (no accumulation)", min=0)
     seq_len: int = opt(128, "tokens per sequence", min=2,  # one input and one label at least
                        max=2**20)  # beyond needs context parallelism; the rotary tables alone are 0.5 GiB here
-    seed: int = opt(0, "seed for weight init and data order")
+    seed: int = opt(0, "seed for weight init and data order", min=-2**63,
+                    max=2**64 - 1)  # what torch.manual_seed accepts
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables clipping", min=0)
     dataset: str = opt("stdlib", "corpus: stdlib (Python's own sources) or text (dataset_path)",
                        choices=("stdlib", "text"))
