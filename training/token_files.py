@@ -114,9 +114,6 @@ class TokenFileLoader(DataLoader):
     the permutation); here the order of an epoch is a computed permutation
     (training/shuffle.py), so no rank ever holds one int per window."""
 
-    def __init__(self, files: TokenFiles, **kwargs):
-        super().__init__(files, **kwargs)
-
     _as_tokens = staticmethod(lambda files: files)  # keep the files; torch.as_tensor would read them
 
     def _window_ids(self, start: int, count: int) -> torch.Tensor:
