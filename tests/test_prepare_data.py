@@ -244,3 +244,12 @@ def test_rerun_after_an_interruption_keeps_finished_shards_and_resumes(corpus, t
     assert files_of(out) == files_of(tmp_path / "ref")
     assert all((out / name).stat().st_mtime_ns == t for name, t in done.items())  # kept, not rewritten
     assert len(calls) < len(prepare_units.plan_units(prepare_units.input_files([str(corpus)]), "text")) - 5
+
+
+def test_text_key_names_the_jsonl_field_from_the_command_line(tmp_path, capsys):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"body": "one", "text": "not this"}\n\n{"body": "two"}\n')
+    assert main([str(path), "--out", str(tmp_path / "out"), "--text-key", "body", "--workers", "1"]) == 0
+    assert "2 documents, 7 tokens in 1 shards" in capsys.readouterr().out
+    files = TokenFiles(str(tmp_path / "out"))
+    assert files.read(0, len(files)).tolist() == [*b"one", 257, *b"two"]

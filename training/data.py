@@ -8,6 +8,8 @@ global batch and splits it into micro-batches. So dp=4 x local 2, dp=2 x 4 steps
 of gradient accumulation and dp=1 x local 8 all train on the same sequences, and
 the loss curves of different layouts can be compared step for step. Every rank
 builds the same stream deterministically; the data path never communicates.
+Corpora too big to tokenize at every start-up are prepared once into token files and
+memory-mapped instead: training/prepare_data.py and training/token_files.py.
 """
 
 from __future__ import annotations
