@@ -244,6 +244,8 @@ def test_rerun_after_an_interruption_keeps_finished_shards_and_resumes(corpus, t
     assert files_of(out) == files_of(tmp_path / "ref")
     assert all((out / name).stat().st_mtime_ns == t for name, t in done.items())  # kept, not rewritten
     assert len(calls) < len(prepare_units.plan_units(prepare_units.input_files([str(corpus)]), "text")) - 5
+    calls.clear()
+    assert make(corpus, out) == reference and calls == []  # finished: a rerun tokenizes nothing
 
 
 def test_text_key_names_the_jsonl_field_from_the_command_line(tmp_path, capsys):
@@ -253,3 +255,14 @@ def test_text_key_names_the_jsonl_field_from_the_command_line(tmp_path, capsys):
     assert "2 documents, 7 tokens in 1 shards" in capsys.readouterr().out
     files = TokenFiles(str(tmp_path / "out"))
     assert files.read(0, len(files)).tolist() == [*b"one", 257, *b"two"]
+
+
+def test_a_tokens_dataset_without_an_index_is_refused_before_start_up(tmp_path):
+    from training import recipe
+    from training.config import JobConfig
+
+    cfg = JobConfig()
+    cfg.job.output_dir = str(tmp_path / "runs")
+    cfg.training.dataset, cfg.training.dataset_path = "tokens", str(tmp_path)
+    with pytest.raises(ConfigError, match=r'dataset = "tokens" needs dataset_path.*no index\.json'):
+        recipe._check_inputs(cfg)

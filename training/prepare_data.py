@@ -135,6 +135,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", workers: int =
     for u, (tokens, ndocs, bad, chars) in enumerate(
             _results(units[first:], tokenizer, text_key, dtype, workers), first):
         unit, pos = units[u], where["offset"] if u == first else 0
+        # Undecodable bytes are judged per file, over all its units (after a resume, over
+        # the units read in this run).
         counts = file_counts.setdefault(unit.path, [0, 0])
         counts[0] += bad
         counts[1] += chars
