@@ -8,6 +8,8 @@ global batch and splits it into micro-batches. So dp=4 x local 2, dp=2 x 4 steps
 of gradient accumulation and dp=1 x local 8 all train on the same sequences, and
 the loss curves of different layouts can be compared step for step. Every rank
 builds the same stream deterministically; the data path never communicates.
+Corpora too big to tokenize at every start-up are prepared once into token files and
+memory-mapped instead: training/prepare_data.py and training/token_files.py.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ def iter_documents(dataset: str, dataset_path: str = "") -> Iterator[str]:
         for path in files:
             yield from _jsonl_texts(path) if path.suffix == ".jsonl" else [_read_text(path)]
     else:
-        raise ConfigError(f"unknown dataset '{dataset}'; expected 'stdlib' or 'text'")
+        raise ConfigError(f"unknown dataset '{dataset}'; expected 'stdlib' or 'text' "
+                          f"('tokens' is read by training/token_files.py, not tokenized)")
 
 
 def load_tokens(dataset: str, dataset_path: str = "", tokenizer: str = "byte",
@@ -212,7 +215,7 @@ class DataLoader:
                 f"local_batch_size = {dp_size} * {local_batch_size} = {per_step}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
-        self.tokens = torch.as_tensor(tokens)
+        self.tokens = self._as_tokens(tokens)
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.local_batch_size, self.dp_rank, self.dp_size = local_batch_size, dp_rank, dp_size
         self.seed = seed
@@ -223,6 +226,9 @@ class DataLoader:
                 f"of seq_len + 1 = {seq_len + 1}, fewer than one global batch of {global_batch_size}")
         self.position = 0  # the next step to read
         self._orders: dict[int, torch.Tensor] = {}
+
+    # The in-memory token stream; training/token_files.py's loader keeps its files instead.
+    _as_tokens = staticmethod(torch.as_tensor)
 
     @property
     def grad_accum_steps(self) -> int:
@@ -295,6 +301,9 @@ def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int):
         raise ValueError(f"global_batch_size={cfg.global_batch_size} must be a positive "
                          f"multiple of dp_size={dp_size}")
     tokenizer = build_tokenizer(cfg.tokenizer)
+    if cfg.dataset == "tokens":  # prepared files, memory-mapped: nothing is tokenized here
+        from training.token_files import build_token_loader
+        return build_token_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size), tokenizer
     tokens = load_tokens(cfg.dataset, cfg.dataset_path, cfg.tokenizer, getattr(cfg, "max_tokens", None))
     loader = DataLoader(tokens, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
                         local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)

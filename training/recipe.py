@@ -155,6 +155,9 @@ def _check_inputs(cfg: JobConfig) -> None:
     if t.dataset == "text" and not (t.dataset_path and os.path.exists(t.dataset_path)):
         raise ConfigError(f'[training] dataset = "text" needs dataset_path = a file or folder of text; '
                           f'"{t.dataset_path}" does not exist')
+    if t.dataset == "tokens" and not os.path.isfile(os.path.join(t.dataset_path, "index.json")):
+        raise ConfigError(f'[training] dataset = "tokens" needs dataset_path = a folder prepared by '
+                          f'`python -m training.prepare_data`; no index.json in "{t.dataset_path}"')
     if hf and not registry.get(cfg.model.name).hf:
         raise ConfigError(f'[checkpoint] initial_load_hf reads Hugging Face weights; [model] name = '
                           f'"{cfg.model.name}" has no importer')

@@ -1,0 +1,228 @@
+"""Tokenize a corpus once, into the shards that ``[training] dataset = "tokens"`` reads.
+
+    python -m training.prepare_data data/ more.jsonl --tokenizer tokenizer.json --out tokens/
+    python -m training.prepare_data --verify tokens/     # every shard's sha256 against the index
+
+Inputs are text files (one document each), .jsonl (one per line, its --text-key field)
+and .parquet (one per row, its --text-key column; needs pyarrow); folders are walked.
+Workers tokenize units (training/prepare_units.py) in parallel; this process takes their
+results in input order and cuts the stream into shards of --shard-tokens, so the files
+are the same whatever --workers is. Each shard is written to a .tmp and renamed, then
+recorded in prepare.json with where the stream goes on after it; a rerun of the same
+command keeps the shards that are there intact and starts tokenizing where the last one
+ended. index.json is written last: a folder without it is not a dataset yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import deque
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+
+from training.config import ConfigError
+from training.data import HFTokenizer, build_tokenizer
+from training.prepare_units import check_decodable, input_files, plan_units, tokenize_unit
+from training.token_files import FORMAT, INDEX, VERSION, TokenFiles, index_checksum, token_dtype
+
+PROGRESS = "prepare.json"  # the index in progress: the plan, and the shards done so far
+DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16: few files, yet a lost shard is quick to redo
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+_line_open = False  # the progress line is waiting for its end: a message starts a new line
+
+
+def _say(message: str) -> None:
+    global _line_open
+    print(("\n" if _line_open else "") + message, file=sys.stderr, flush=True)
+    _line_open = False
+
+
+class Progress:
+    """One line on stderr, rewritten about once a second."""
+
+    def __init__(self, total_bytes: int, enabled: bool = True):
+        self.total, self.enabled, self.t0, self.last = total_bytes, enabled, time.time(), 0.0
+
+    def update(self, done: int, tokens: int, final: bool = False) -> None:
+        now = time.time()
+        if not self.enabled or (now - self.last < 1 and not final):
+            return
+        global _line_open
+        self.last, rate, _line_open = now, tokens / max(now - self.t0, 1e-9), not final
+        eta = (self.total - done) * (now - self.t0) / done if done else 0
+        print(f"\rprepare_data: {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, {tokens:,} tokens, "
+              f"{rate / 1e6:.2f}M tokens/s, ETA {eta:,.0f}s ", end="\n" if final else "",
+              file=sys.stderr, flush=True)
+
+
+def _results(units, spec, text_key, dtype, workers):
+    """Each unit's tokenize_unit result, in order, from at most 2 x workers units in flight."""
+    if workers <= 1:
+        yield from (tokenize_unit(u, spec, text_key, dtype) for u in units)
+        return
+    with Pool(workers) as pool:
+        todo, pending = iter(units), deque()
+        for unit in todo:
+            pending.append(pool.apply_async(tokenize_unit, (unit, spec, text_key, dtype, False)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str = "byte", workers: int = 1,
+            text_key: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            progress: bool = True) -> dict:
+    """Write the shards and index.json of ``inputs`` into ``out``; returns the index."""
+    tok = build_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    units = plan_units(input_files(inputs), text_key)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Everything the output depends on; a rerun with the same plan may keep what is there.
+    plan = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer, "text_key": text_key,
+            "tokenizer_sha256": _sha256(Path(tokenizer)) if isinstance(tok, HFTokenizer) else None,
+            "shard_tokens": shard_tokens, "dtype": dtype,
+            "inputs": [[u.kind, u.path, u.start, u.end, os.stat(u.path).st_mtime_ns] for u in units]}
+    plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+    shards = _kept_shards(out_dir, plan_id)
+    index_path = out_dir / INDEX
+    if shards and shards[-1]["next"]["unit"] == len(units) and index_path.is_file():
+        return json.loads(index_path.read_text())  # done before, nothing changed
+    index_path.unlink(missing_ok=True)  # the shards are about to change
+    where = shards[-1]["next"] if shards else {"unit": 0, "offset": 0, "documents": 0}
+    documents, skip = where["documents"], 0 if shards else 1  # 1: the stream starts without EOS
+    buf, fill = np.empty(shard_tokens, dtype=dtype), 0
+    bytes_total = sum(u.nbytes for u in units)
+    done_bytes = sum(u.nbytes for u in units[:where["unit"]])
+    bar, tokens_made = Progress(bytes_total, progress), 0
+    file_counts: dict[str, list[int]] = {}
+
+    def finish_shard(next_unit: int, offset: int, docs_before: int) -> None:
+        nonlocal fill
+        name = f"shard_{len(shards):05d}.bin"
+        tmp = out_dir / (name + ".tmp")
+        buf[:fill].tofile(tmp)
+        os.replace(tmp, out_dir / name)
+        shards.append({"file": name, "tokens": fill, "sha256": _sha256(out_dir / name),
+                       "next": {"unit": next_unit, "offset": offset, "documents": docs_before}})
+        _write_json(out_dir / PROGRESS, {"plan": plan_id, "shards": shards})
+        fill = 0
+
+    first = where["unit"]
+    for u, (tokens, ndocs, bad, chars) in enumerate(
+            _results(units[first:], tokenizer, text_key, dtype, workers), first):
+        unit, pos = units[u], where["offset"] if u == first else 0
+        # Undecodable bytes are judged per file, over all its units (after a resume, over
+        # the units read in this run).
+        counts = file_counts.setdefault(unit.path, [0, 0])
+        counts[0] += bad
+        counts[1] += chars
+        if u + 1 == len(units) or units[u + 1].path != unit.path:  # the file's last unit
+            note = check_decodable(unit.path, *counts)
+            if note:
+                _say(f"prepare_data: {note}")
+        documents += ndocs
+        drop = min(skip, len(tokens) - pos)
+        pos, skip = pos + drop, skip - drop
+        while pos < len(tokens):
+            n = min(shard_tokens - fill, len(tokens) - pos)
+            buf[fill:fill + n] = tokens[pos:pos + n]
+            fill, pos, tokens_made = fill + n, pos + n, tokens_made + n
+            if fill == shard_tokens:
+                finish_shard(u, pos, documents - ndocs)
+        done_bytes += unit.nbytes
+        bar.update(done_bytes, tokens_made)
+    if fill:
+        finish_shard(len(units), 0, documents)
+    bar.update(done_bytes, tokens_made, final=True)
+    index = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
+             "eos_id": tok.eos_id, "dtype": dtype, "num_documents": documents,
+             "num_tokens": sum(s["tokens"] for s in shards), "shard_tokens": shard_tokens,
+             "shards": [{k: s[k] for k in ("file", "tokens", "sha256")} for s in shards]}
+    index["checksum"] = index_checksum(index)
+    _write_json(index_path, index)
+    return index
+
+
+def _kept_shards(out_dir: Path, plan_id: str) -> list[dict]:
+    """The shards of an earlier run of the same plan that are still intact, in order up to
+    the first one that is not. A different plan starts over."""
+    try:
+        progress = json.loads((out_dir / PROGRESS).read_text())
+    except (OSError, ValueError):
+        progress = {}
+    if progress.get("plan") != plan_id:
+        for stale in [*out_dir.glob("shard_*.bin"), *out_dir.glob("shard_*.bin.tmp")]:
+            stale.unlink()
+        return []
+    kept = []
+    for shard in progress["shards"]:
+        path = out_dir / shard["file"]
+        if not path.is_file() or _sha256(path) != shard["sha256"]:
+            break
+        kept.append(shard)
+    return kept
+
+
+def verify(folder: str) -> str:
+    """Every byte of every shard against index.json; ConfigError naming the first bad one."""
+    files = TokenFiles(folder, key="--verify")  # the index and the shard sizes
+    shards = json.loads((Path(folder) / INDEX).read_text())["shards"]
+    for shard, path in zip(shards, files.paths):
+        if _sha256(path) != shard["sha256"]:
+            raise ConfigError(f"--verify {folder}: {path} does not match its sha256 in the index")
+    return f"{folder}: {len(shards)} shards, {files.num_tokens:,} tokens, every sha256 matches"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.prepare_data", description=__doc__.split("\n")[0])
+    p.add_argument("inputs", nargs="*", help="text/.jsonl/.parquet files, or folders of them")
+    p.add_argument("--tokenizer", default="byte", help="byte, or the path of a tokenizer.json")
+    p.add_argument("--out", help="output folder")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--text-key", default="text", help="the text field of jsonl / column of parquet")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    p.add_argument("--verify", metavar="DIR", help="check a prepared folder's shards byte for byte")
+    args = p.parse_args(argv)
+    try:
+        if args.verify:
+            print(verify(args.verify))
+            return 0
+        if not args.inputs or not args.out:
+            p.error("give INPUT... and --out (or --verify DIR)")
+        if args.shard_tokens < 1 or args.workers < 1:
+            p.error("--shard-tokens and --workers must be at least 1")
+        index = prepare(args.inputs, args.out, args.tokenizer, args.workers, args.text_key, args.shard_tokens)
+    except ConfigError as err:
+        _say(f"prepare_data: error: {err}")
+        return 2
+    print(f"{args.out}: {index['num_documents']:,} documents, {index['num_tokens']:,} tokens "
+          f"in {len(index['shards'])} shards")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
