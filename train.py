@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         if report.get("fits") is False:
             raise SystemExit(1)
         return
+    if int(os.environ.get("RANK", 0)) == 0:  # importing torch alone takes seconds on a busy node
+        print(f"meshtrain: {cfg.job.name}: config checked; starting (torch, process group, model) ...", flush=True)
     import torch
     import torch.distributed as dist
 

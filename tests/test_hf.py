@@ -198,6 +198,7 @@ def test_export_cli_from_dcp_checkpoint(tmp_path, capsys):
 
     proc = run_export(ckpt, tmp_path / "hf", "--format", "hf")
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"meshtrain: exported {ckpt} to {tmp_path / 'hf'} (hf, ")  # one line when done
     back = Llama.from_flavor("debug", meta=True, **TINY)
     load_hf_weights_(back, tmp_path / "hf")
     for (name, a), (_, b) in zip(model.named_parameters(), back.named_parameters()):

@@ -27,7 +27,8 @@ def test_a_family_outside_models_trains_through_train_py_like_plain_pytorch(tmp_
     save = ("--checkpoint.enable=true", "--checkpoint.interval=1000", "--checkpoint.last_save_model_only=true")
     proc = torchrun("tests/workers/toy_train.py", *args(tmp_path, "toy", *save), nproc=4)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "tp" in proc.stdout.splitlines()[0]  # dp_shard 2 x tp 2: the family's TP plan was applied
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("meshtrain: DeviceMesh"))
+    assert "tp=2" in header  # dp_shard 2 x tp 2: the family's TP plan was applied
     reference = train_oracle.oracle_for(*args(tmp_path, "ref"))
     train_oracle.assert_run_matches(tmp_path / "toy", reference, "toy dp2 x tp2")
     losses = train_oracle.logged(tmp_path / "toy", "loss")

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -129,11 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=("hf", "torch"), required=True)
     parser.add_argument("--dtype", choices=DTYPES, help="convert weights (default: as stored)")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     try:
         export(args.checkpoint_dir, args.out, args.format, getattr(torch, args.dtype) if args.dtype else None)
     except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: no safetensors
         print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
         return 2
+    out = Path(args.out)
+    size = sum(f.stat().st_size for f in (out.rglob("*") if out.is_dir() else [out]) if f.is_file())
+    print(f"meshtrain: exported {args.checkpoint_dir} to {out} ({args.format}, {size / 2**20:,.1f} MiB) "
+          f"in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
 
 
