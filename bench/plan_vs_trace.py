@@ -1,0 +1,79 @@
+"""The planner's memory estimate against the dry run's traced peak, over a grid of layouts.
+
+    python bench/plan_vs_trace.py --model 8B --nodes 1 --seq-len 8192 --global-batch 16
+    python bench/plan_vs_trace.py --model 70B --nodes 8 --seq-len 8192 --global-batch 512 --tp 2,8 --pp 1,4
+
+For every (tp, pp, AC mode) of the grid, the fastest layout the search finds with those
+three (the other knobs as it chose them) is written as a train.py config, as `plan
+--write` does, and dry-run at the full world size on the pipeline rank the estimate says
+is fullest. Prints estimate, trace and their difference, one row per layout: what the
+planner's +-10% target is checked against. No GPU; tens of seconds per 70B trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planning.cost import Job, estimate  # noqa: E402
+from planning.dry_run import dry_run  # noqa: E402
+from planning.hardware import GIB, get_gpu  # noqa: E402
+from planning.plan import AC_MODES, candidates, check_layout, describe, resolve_model, to_toml  # noqa: E402
+from training.config_loader import load_config  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="8B")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100-80gb")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--tp", default="1,2,4,8")
+    p.add_argument("--pp", default="1,2")
+    p.add_argument("--ac", default=",".join(AC_MODES))
+    args = p.parse_args()
+    job = Job(resolve_model(args.model), get_gpu(args.gpu), args.nodes, args.gpus_per_node, args.seq_len,
+              args.global_batch)
+    print(f"{job.model.family} {job.model.flavor} on {job.nodes} x {job.gpus_per_node}, seq {job.seq_len}, "
+          f"global batch {job.global_batch}: estimate vs dry-run trace, GiB per GPU")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for tp in map(int, args.tp.split(",")):
+            for pp in map(int, args.pp.split(",")):
+                for ac in args.ac.split(","):
+                    best = None
+                    for lay in candidates(job):
+                        if (lay.tp, lay.pp, lay.ac) != (tp, pp, ac):
+                            continue
+                        try:
+                            check_layout(job, lay)
+                            e = estimate(job, lay)
+                        except Exception:  # a layout the search would reject
+                            continue
+                        if best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu:
+                            best = e
+                    if best is None:
+                        continue
+                    path = Path(folder) / f"tp{tp}_pp{pp}_{ac}.toml"
+                    path.write_text(to_toml(best, job, path.stem, "bench/plan_vs_trace.py"))
+                    rank = best.memory.pp_rank * (job.world // pp)
+                    t0 = time.perf_counter()
+                    report = dry_run(load_config(path), job.world, rank, gpus_per_node=job.gpus_per_node, quiet=True)
+                    traced, est = report["memory"]["total"], best.memory.total
+                    rows.append((describe(best.layout), est, traced))
+                    print(f"  {describe(best.layout):<95} {est / GIB:6.1f} {traced / GIB:6.1f} "
+                          f"{traced / est - 1:+6.0%}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    worst = max(rows, key=lambda r: abs(r[2] / r[1] - 1))
+    within = sum(abs(r[2] / r[1] - 1) <= 0.10 for r in rows)
+    print(f"{within} of {len(rows)} within 10%; the largest difference {worst[2] / worst[1] - 1:+.0%}: {worst[0]}")
+
+
+if __name__ == "__main__":
+    main()
