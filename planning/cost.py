@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from planning.hardware import GPU
+from planning.schedule import SUPPORTED, in_flight_at_peak, rank_actions
 from parallel.pipeline import SCHEDULES, check_pipeline, stage_ids
 
 BF16, FP32 = 2, 4
@@ -169,18 +170,14 @@ def rank_shares(job: Job, lay: Layout) -> list[RankShare]:
     for r in range(pp):
         ids = stage_ids(r, pp, len(stages), style)
         sizes = tuple(len(stages[s]) for s in ids)
-        if lay.pp_schedule == "GPipe":            # every forward before any backward
-            inflight, head = m * sum(sizes), m
-        elif lay.pp_schedule == "1F1B":           # stage r runs pp - r forwards before its first backward
-            inflight, head = min(m, pp - r) * sum(sizes), 1
-        elif lay.pp_schedule == "Interleaved1F1B":
-            # torch's warm-up for looped schedules: (v-1) rounds of micro-batches, plus 2 per
-            # hop from the last rank; one more forward runs before the first backward.
-            per_round = m // max(1, m // pp)
-            chunks = min((v - 1) * per_round + 2 * (pp - 1 - r) + 1, m * v)
-            inflight, head = chunks * sum(sizes) / v, 1
-        else:
+        if lay.pp_schedule not in SUPPORTED or style != "loop":
             raise ValueError(f"no activation-memory model for pp_schedule {lay.pp_schedule!r}")
+        # Counted from torch's own order of this rank's forwards and backwards (the one the
+        # dry run replays, planning/schedule.py), not a closed form: layers x micro-batches
+        # alive at the rank's worst backward, and the last stage's micro-batches then.
+        actions = rank_actions(lay.pp_schedule, pp, v, m)[r]
+        inflight, live, _ = in_flight_at_peak(actions, {s: len(stages[s]) for s in ids})
+        head = max(1, live.get(len(stages) - 1, 0))
         shares.append(RankShare(sizes, 0 in ids, len(stages) - 1 in ids, inflight, head))
     return shares
 
