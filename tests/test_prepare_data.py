@@ -266,3 +266,27 @@ def test_a_tokens_dataset_without_an_index_is_refused_before_start_up(tmp_path):
     cfg.training.dataset, cfg.training.dataset_path = "tokens", str(tmp_path)
     with pytest.raises(ConfigError, match=r'dataset = "tokens" needs dataset_path.*no index\.json'):
         recipe._check_inputs(cfg)
+
+
+def test_parquet_rows_give_the_same_tokens_as_jsonl_lines(tmp_path, capsys):
+    # One document per row of the --text-key column, read row group by row group; the
+    # stream equals the same documents as jsonl. A null row is an error naming its index.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [f"parquet document {i} " * (3 + i % 5) for i in range(50)]
+    pq.write_table(pa.table({"text": docs, "id": list(range(50))}), tmp_path / "d.parquet", row_group_size=7)
+    (tmp_path / "j").mkdir()
+    with open(tmp_path / "j" / "d.jsonl", "w") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}) + "\n")
+    from_parquet = prepare([str(tmp_path / "d.parquet")], str(tmp_path / "p_out"), "byte", workers=2,
+                           shard_tokens=500, progress=False)
+    from_jsonl = prepare([str(tmp_path / "j" / "d.jsonl")], str(tmp_path / "j_out"), "byte", workers=1,
+                         shard_tokens=500, progress=False)
+    assert from_parquet["num_documents"] == 50 and from_parquet["num_tokens"] == from_jsonl["num_tokens"]
+    assert [s["sha256"] for s in from_parquet["shards"]] == [s["sha256"] for s in from_jsonl["shards"]]
+
+    pq.write_table(pa.table({"text": ["fine", None, "fine"]}), tmp_path / "bad.parquet")
+    assert main([str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "bad_out")]) == 2
+    assert "bad.parquet: row 1 (from 0): column 'text' is null" in capsys.readouterr().err
