@@ -117,12 +117,17 @@ def _sorted_files(root: Path, suffixes: tuple[str, ...], skip_dirs=frozenset()) 
 MAX_UNDECODABLE = 0.01
 
 
+def decode_utf8(data: bytes) -> tuple[str, int]:
+    """(the text, how many bytes were not UTF-8 and got replaced)."""
+    text = data.decode("utf-8", errors="replace")
+    return text, text.count("\ufffd") - data.count("\ufffd".encode())  # replaced, not written as U+FFFD
+
+
 def _read_text(path: Path) -> str:
     """The file as text; a few undecodable bytes are replaced (and counted in a warning),
     many mean the file is not text at all (ConfigError naming it)."""
     data = path.read_bytes()
-    text = data.decode("utf-8", errors="replace")
-    bad = text.count("\ufffd") - data.count("\ufffd".encode())  # replaced, not written as U+FFFD
+    text, bad = decode_utf8(data)
     if bad > MAX_UNDECODABLE * max(len(text), 1):
         raise ConfigError(f"{path}: {bad:,} of its {len(data):,} bytes ({bad / len(data):.0%}) are not UTF-8 "
                           f"text; it looks binary. Remove it from the dataset (text files: "
@@ -132,17 +137,38 @@ def _read_text(path: Path) -> str:
     return text
 
 
-def _jsonl_texts(path: Path) -> Iterator[str]:
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+class JsonlError(ValueError):
+    """A jsonl line that is not a document: ``index`` (from 0) and ``problem``."""
+
+    def __init__(self, index: int, problem: str):
+        super().__init__(problem)
+        self.index, self.problem = index, problem
+
+
+def jsonl_documents(text: str, key: str = "text") -> list[str]:
+    """The documents of jsonl text: the ``key`` field, a string, of each non-blank line.
+    Lines end at \n only: a JSON string may hold other line separators (U+2028)."""
+    docs = []
+    for i, line in enumerate(text.split("\n")):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{lineno}: not valid JSON ({e})") from e
-        if not isinstance(record, dict) or "text" not in record:
-            raise ConfigError(f"{path}:{lineno}: jsonl record has no 'text' field")
-        yield record["text"]
+            raise JsonlError(i, f"not valid JSON ({e})") from e
+        if not isinstance(record, dict) or key not in record:
+            raise JsonlError(i, f"jsonl record has no '{key}' field")
+        if not isinstance(record[key], str):
+            raise JsonlError(i, f"field '{key}' is a {type(record[key]).__name__}, not a string")
+        docs.append(record[key])
+    return docs
+
+
+def _jsonl_texts(path: Path) -> list[str]:
+    try:
+        return jsonl_documents(_read_text(path))
+    except JsonlError as e:
+        raise ConfigError(f"{path}:{e.index + 1}: {e.problem}") from None
 
 
 def iter_documents(dataset: str, dataset_path: str = "") -> Iterator[str]:

@@ -13,7 +13,6 @@ the very first token of the whole stream, which leaves documents joined by EOS e
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +20,8 @@ from typing import NamedTuple
 import numpy as np
 
 from training.config import ConfigError
-from training.data import MAX_UNDECODABLE, TEXT_SUFFIXES, HFTokenizer, _sorted_files, build_tokenizer
+from training.data import (MAX_UNDECODABLE, TEXT_SUFFIXES, HFTokenizer, JsonlError, _sorted_files, build_tokenizer,
+                           decode_utf8, jsonl_documents)
 
 CHUNK_BYTES = 8 << 20  # big enough to amortize a task, small enough to spread a big file over workers
 PARQUET = ".parquet"
@@ -88,32 +88,13 @@ def plan_units(files: list[Path], text_key: str) -> list[Unit]:
     return units
 
 
-def _decode(data: bytes) -> tuple[str, int]:
-    text = data.decode("utf-8", errors="replace")
-    return text, text.count("\ufffd") - data.count("\ufffd".encode())  # replaced, not written as U+FFFD
-
-
 def _jsonl_documents(unit: Unit, text: str, text_key: str) -> list[str]:
-    docs = []
-    for i, line in enumerate(text.split("\n")):
-        if not line.strip():
-            continue
-        problem = None
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            problem = f"not valid JSON ({e})"
-        else:
-            if not isinstance(record, dict) or text_key not in record:
-                problem = f"jsonl record has no '{text_key}' field"
-            elif not isinstance(record[text_key], str):
-                problem = f"field '{text_key}' is a {type(record[text_key]).__name__}, not a string"
-        if problem:
-            with open(unit.path, "rb") as f:  # only now count the lines before this chunk
-                before = f.read(unit.start).count(b"\n")
-            raise ConfigError(f"{unit.path}:{before + i + 1}: {problem}")
-        docs.append(record[text_key])
-    return docs
+    try:
+        return jsonl_documents(text, text_key)
+    except JsonlError as e:
+        with open(unit.path, "rb") as f:  # only now count the lines before this chunk
+            before = f.read(unit.start).count(b"\n")
+        raise ConfigError(f"{unit.path}:{before + e.index + 1}: {e.problem}") from None
 
 
 def _parquet_documents(unit: Unit, text_key: str) -> list[str]:
@@ -139,7 +120,7 @@ def tokenize_unit(unit: Unit, spec: str, text_key: str, dtype: str, threads: boo
             f.seek(unit.start)
             # A chunk ends at a line break, never inside a UTF-8 sequence: decoding chunks
             # one by one gives the same text as decoding the file.
-            text, bad = _decode(f.read(unit.end - unit.start))
+            text, bad = decode_utf8(f.read(unit.end - unit.start))
         chars = len(text)
         docs = [text] if unit.kind == "text" else _jsonl_documents(unit, text, text_key)
     tok = build_tokenizer(spec)
