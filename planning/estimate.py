@@ -72,20 +72,6 @@ def as_dict(e: Estimate, gpu) -> dict:
             "mfu": e.mfu, "sent_gb_per_gpu": {k: v / 1e9 for k, v in e.comm_bytes.items()}}
 
 
-def format_estimate(e: Estimate, gpu) -> str:
-    d, m = as_dict(e, gpu), e.memory
-    where = f" (pipeline rank {m.pp_rank}, the fullest)" if e.layout.pp > 1 else ""
-    lines = [f"memory per GPU{where}, GiB (formulas):"]
-    lines += [f"  {k:<12}{v:8.2f}" for k, v in d["memory_gib"].items()]
-    verdict = "fits" if d["fits"] else "does NOT fit"
-    lines.append(f"  {verdict} in {d['usable_gib']:.0f} GiB usable ({gpu.hbm_bytes / GIB:.0f} GiB less "
-                 f"{HEADROOM:.0%} headroom)")
-    lines.append("step time, s: " + "  ".join(f"{k} {v:.2f}" for k, v in e.times.items()) + f"  = {e.step_time:.2f}")
-    lines.append(f"throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%} "
-                 f"(assumes {gpu.matmul_efficiency:.0%} of the bf16 peak for every matmul: an upper bound)")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     from training.config import ConfigError
     from training.config_loader import load_config
@@ -108,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(as_dict(e, gpu), indent=1))
     else:
-        from planning.plan import describe
+        from planning.plan import format_breakdown
 
-        print(f"{cfg.job.name} at {args.world_size} ranks on {gpu.name}: {describe(e.layout)}")
-        print(format_estimate(e, gpu))
+        print(format_breakdown(e, gpu, f"{cfg.job.name} at {args.world_size} ranks on {gpu.name}"))
+        print(f"  throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%} (assumes "
+              f"{gpu.matmul_efficiency:.0%} of the bf16 peak for every matmul: an upper bound)")
     return 0
 
 

@@ -142,14 +142,16 @@ def format_table(estimates: list[Estimate]) -> str:
                                enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
-def format_breakdown(e: Estimate, job: Job) -> str:
+def format_breakdown(e: Estimate, gpu, title: str = "Best") -> str:
+    """One layout's estimate: memory by category, traffic, step time by part."""
     m = e.memory
     where = f" (pipeline rank {m.pp_rank}, the fullest)" if e.layout.pp > 1 else ""
-    lines = [f"Best: {describe(e.layout)}", f"  memory per GPU{where}, GiB:"]
+    lines = [f"{title}: {describe(e.layout)}", f"  memory per GPU{where}, GiB:"]
     for name in ("params", "grads", "optimizer", "activations", "transient"):
         lines.append(f"    {name:<12}{getattr(m, name) / GIB:8.2f}")
-    lines.append(f"    {'total':<12}{m.total / GIB:8.2f}   of {job.gpu.hbm_bytes / GIB:.0f} "
-                 f"({usable_bytes(job.gpu) / GIB:.0f} usable)")
+    verdict = "fits in" if m.total <= usable_bytes(gpu) else "does NOT fit in"
+    lines.append(f"    {'total':<12}{m.total / GIB:8.2f}   {verdict} {usable_bytes(gpu) / GIB:.0f} usable of "
+                 f"{gpu.hbm_bytes / GIB:.0f} ({HEADROOM:.0%} headroom)")
     lines.append("  sent per GPU per step, GB:  " + "  ".join(
         f"{dim} {b / 1e9:.1f}" for dim, b in e.comm_bytes.items()))
     lines.append("  step time, s:  " + "  ".join(f"{k} {v:.2f}" for k, v in e.times.items())
@@ -291,13 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"No layout fits: the best layout needs {smallest.memory.total / GIB:.1f} GiB of "
               f"{gpu.hbm_bytes / GIB:.0f} GiB per GPU ({usable_bytes(gpu) / GIB:.1f} usable "
               f"with {HEADROOM:.0%} headroom): {describe(smallest.layout)}.")
-        print(format_breakdown(smallest, job).replace("Best:", "Smallest:", 1))
+        print(format_breakdown(smallest, gpu, "Smallest"))
         return 1
     print(f"{len(fitting)} layouts fit in {usable_bytes(gpu) / GIB:.0f} GiB "
           f"({HEADROOM:.0%} headroom); the top {min(args.top, len(fitting))} by tokens/s/GPU:\n")
     print(format_table(fitting[:args.top]))
     print()
-    print(format_breakdown(fitting[0], job))
+    print(format_breakdown(fitting[0], gpu))
     if args.verify:
         fitting = verify(fitting[:args.verify], job) + fitting[args.verify:]
     if args.write:
