@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from parallel.mesh import LayoutError  # noqa: E402
 from planning.cost import Job, estimate  # noqa: E402
-from planning.dry_run import dry_run  # noqa: E402
 from planning.hardware import GIB, get_gpu  # noqa: E402
-from planning.plan import AC_MODES, candidates, check_layout, describe, resolve_model, to_toml  # noqa: E402
-from training.config_loader import load_config  # noqa: E402
+from planning.plan import AC_MODES, candidates, check_layout, describe, resolve_model, trace  # noqa: E402
 
 
 def main() -> None:
@@ -44,32 +42,27 @@ def main() -> None:
     print(f"{job.model.family} {job.model.flavor} on {job.nodes} x {job.gpus_per_node}, seq {job.seq_len}, "
           f"global batch {job.global_batch}: estimate vs dry-run trace, GiB per GPU")
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        for tp in map(int, args.tp.split(",")):
-            for pp in map(int, args.pp.split(",")):
-                for ac in args.ac.split(","):
-                    best = None
-                    for lay in candidates(job):
-                        if (lay.tp, lay.pp, lay.ac) != (tp, pp, ac):
-                            continue
-                        try:
-                            check_layout(job, lay)
-                            e = estimate(job, lay)
-                        except Exception:  # a layout the search would reject
-                            continue
-                        if best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu:
-                            best = e
-                    if best is None:
+    for tp in map(int, args.tp.split(",")):
+        for pp in map(int, args.pp.split(",")):
+            for ac in args.ac.split(","):
+                best = None
+                for lay in candidates(job):
+                    if (lay.tp, lay.pp, lay.ac) != (tp, pp, ac):
                         continue
-                    path = Path(folder) / f"tp{tp}_pp{pp}_{ac}.toml"
-                    path.write_text(to_toml(best, job, path.stem, "bench/plan_vs_trace.py"))
-                    rank = best.memory.pp_rank * (job.world // pp)
-                    t0 = time.perf_counter()
-                    report = dry_run(load_config(path), job.world, rank, gpus_per_node=job.gpus_per_node, quiet=True)
-                    traced, est = report["memory"]["total"], best.memory.total
-                    rows.append((describe(best.layout), est, traced))
-                    print(f"  {describe(best.layout):<95} {est / GIB:6.1f} {traced / GIB:6.1f} "
-                          f"{traced / est - 1:+6.0%}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+                    try:
+                        check_layout(job, lay)
+                        e = estimate(job, lay)
+                    except LayoutError:  # a layout the search would reject
+                        continue
+                    if best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu:
+                        best = e
+                if best is None:
+                    continue
+                t0 = time.perf_counter()
+                traced, est = trace(best, job)["memory"]["total"], best.memory.total
+                rows.append((describe(best.layout), est, traced))
+                print(f"  {describe(best.layout):<95} {est / GIB:6.1f} {traced / GIB:6.1f} "
+                      f"{traced / est - 1:+6.0%}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     worst = max(rows, key=lambda r: abs(r[2] / r[1] - 1))
     within = sum(abs(r[2] / r[1] - 1) <= 0.10 for r in rows)
     print(f"{within} of {len(rows)} within 10%; the largest difference {worst[2] / worst[1] - 1:+.0%}: {worst[0]}")
