@@ -187,20 +187,27 @@ class CheckpointManager:
         -- (0, {}) when there is none. A damaged one (truncated shard, unreadable index or
         meta.json) is skipped with a warning naming what is wrong, and so is one DCP fails
         to read; with none intact left, the run stops rather than start over silently.
-        Every rank tries the paths rank 0 chose, in the same order."""
-        choice = [None]
-        if self.rank == 0:
-            choice[0] = self._candidates(load_step)
-        dist.broadcast_object_list(choice, src=0)
-        status, value = choice[0]
-        if status == "error":
-            raise CheckpointError(value)
-        failed = []
-        for path in map(Path, value):
+        Rank 0 checks them newest first and only as far as needed (a check reads the DCP
+        index); every rank tries the path it chose."""
+        skipped: list[str] = []   # rank 0's account of what was passed over, for the error
+        failed: list[str] = []
+        older_than = None         # after a failed read, look below that step
+        while True:
+            choice = [None]
+            if self.rank == 0:
+                choice[0] = self._next_intact(load_step, older_than, skipped)
+            dist.broadcast_object_list(choice, src=0)
+            status, value = choice[0]
+            if status == "error":
+                raise CheckpointError(value)
+            if status == "none":
+                break
+            path = Path(value)
             try:
                 return self.load(path)
             except _ReadFailure as err:  # the same on every rank: DCP gathers the ranks' errors
                 failed.append(f"{path.name}: {err}")
+                older_than = int(_STEP_DIR.match(path.name).group(1))
                 if self.rank == 0:
                     warnings.warn(f"checkpoint {path} could not be read ({err}); trying the one before",
                                   stacklevel=2)
@@ -209,30 +216,30 @@ class CheckpointManager:
                                   f"the damaged folders away to start from scratch")
         return 0, {}
 
-    def _candidates(self, load_step: int) -> tuple[str, list[str] | str]:
-        """Rank 0: ("ok", intact checkpoint paths, newest first) or ("error", why)."""
+    def _next_intact(self, load_step: int, older_than: int | None, skipped: list[str]) -> tuple[str, str | None]:
+        """Rank 0: ("ok", the newest intact checkpoint below ``older_than``), ("none", None)
+        when there is no checkpoint at all, or ("error", why)."""
         found = complete_checkpoints(self.folder)
         if load_step:
-            found = [(s, p) for s, p in found if s == load_step]
-            if not found:
-                have = [s for s, _ in complete_checkpoints(self.folder)] or "none"
+            if not any(s == load_step for s, _ in found):
                 return "error", (f"[checkpoint] load_step = {load_step}: no complete checkpoint for that step "
-                                 f"in {self.folder} (have: {have})")
-        intact, damaged = [], []
+                                 f"in {self.folder} (have: {[s for s, _ in found] or 'none'})")
+            found = [(s, p) for s, p in found if s == load_step]
         for step, path in reversed(found):
+            if older_than is not None and step >= older_than:
+                continue
             try:
                 problem = damage(path)
             except UnsafeCheckpointError as err:  # crafted, not damaged: refuse the run, skip nothing
                 return "error", str(err)
             if problem is None:
-                intact.append(str(path))
-            else:
-                damaged.append(f"{path.name}: {problem}")
-                warnings.warn(f"skipping damaged checkpoint {path}: {problem}", stacklevel=3)
-        if damaged and not intact:
-            return "error", (f"no intact checkpoint to resume from in {self.folder}: {'; '.join(damaged)}. "
+                return "ok", str(path)
+            skipped.append(f"{path.name}: {problem}")
+            warnings.warn(f"skipping damaged checkpoint {path}: {problem}", stacklevel=3)
+        if skipped and older_than is None:
+            return "error", (f"no intact checkpoint to resume from in {self.folder}: {'; '.join(skipped)}. "
                              f"Move the damaged folders away to start from scratch")
-        return "ok", intact
+        return "none", None
 
     def load(self, path: Path) -> tuple[int, dict]:
         meta = json.loads((path / "meta.json").read_text())
@@ -316,10 +323,11 @@ class CheckpointManager:
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
-            if final.exists() and damage(final) is not None:
+            problem = damage(final) if final.exists() else None
+            if problem is not None:
                 # Damaged (e.g. its index is gone): set it aside, or this step would never be saved.
                 aside = final.with_name(f"{final.name}.damaged-{int(time.time())}")
-                warnings.warn(f"{final} is damaged ({damage(final)}); moved to {aside.name} and saved anew",
+                warnings.warn(f"{final} is damaged ({problem}); moved to {aside.name} and saved anew",
                               stacklevel=2)
                 final.rename(aside)
             exists[0] = final.exists()
