@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint.close()
     metrics.close()
     if not stopping:
-        say_done(start_step, n, time.perf_counter() - began, n - start_step, tokens_per_step, loss, checkpoint, run_dir)
+        say_done(start_step, n, time.perf_counter() - began, tokens_per_step, loss, checkpoint, run_dir)
     shutdown_distributed()
 
 

@@ -85,11 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = ap.parse_args(argv)
     try:
-        gpu = get_gpu(args.gpu)
+        try:
+            gpu = get_gpu(args.gpu)
+        except KeyError as err:  # only the GPU's name: a KeyError elsewhere is a bug
+            raise ConfigError(f"--gpu {args.gpu}: {err.args[0]}") from None
         cfg = load_config(args.config)
         e = estimate_config(cfg, args.world_size, args.gpus_per_node, gpu)
-    except (KeyError, ConfigError, LayoutError, NotModelled) as err:
-        print(f"meshtrain: error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
+    except (ConfigError, LayoutError, NotModelled) as err:
+        print(f"meshtrain: error: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(as_dict(e, gpu), indent=1))

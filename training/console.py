@@ -40,10 +40,10 @@ def say_stopped(signal_name: str, step: int, checkpoint) -> None:
         print(f"meshtrain: {signal_name} received: stopped after step {step}; {saved}", flush=True)
 
 
-def say_done(start_step: int, last: int, seconds: float, steps: int, tokens_per_step: int, loss: float,
+def say_done(start_step: int, last: int, seconds: float, tokens_per_step: int, loss: float,
              checkpoint, run_dir: Path) -> None:
     if dist.get_rank() != 0:
         return
     saved = f"checkpoints in {checkpoint.folder}" if checkpoint else "no checkpoints ([checkpoint] enable = false)"
-    print(f"meshtrain: done: steps {start_step + 1}-{last} in {seconds:.1f} s ({steps * tokens_per_step:,} tokens), "
+    print(f"meshtrain: done: steps {start_step + 1}-{last} in {seconds:.1f} s ({(last - start_step) * tokens_per_step:,} tokens), "
           f"final loss {loss:.4f} | {saved} | tensorboard --logdir {run_dir / 'tb'}", flush=True)
