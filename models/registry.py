@@ -50,6 +50,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "models.llama.model:Llama", hf="models.llama.hf"),
     Family("gpt2", "GPT-2 / GPT-3 shapes (learned positions, tied embeddings)", "models.gpt2.config:GPT2Config",
            "models.gpt2.model:GPT2", learned_positions=True, high_precision=("lm_head",)),
+    Family("hf", "any Hugging Face causal LM, built from [model] hf_config", "models.hf.config:HFConfig",
+           "models.hf.model:HFModel", hf="models.hf.weights", high_precision=("lm_head",)),
 )}
 
 

@@ -79,6 +79,14 @@ def init_param_(param: torch.Tensor, seed: int, name: str, init_fn: InitFn) -> N
     generator = torch.Generator(device=local.device).manual_seed(param_seed(seed, name))
     full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
     init_fn(full, generator)
+    copy_block_(param, full, name)
+
+
+@torch.no_grad()
+def copy_block_(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
+    """Copy into ``param`` (a plain tensor or a DTensor with any placements) its block of
+    the full tensor ``full``."""
+    local = param.to_local() if isinstance(param, DTensor) else param
     if isinstance(param, DTensor):
         # The rank's shard is a block of the full tensor (the same arithmetic DCP uses to
         # place shards in a checkpoint): copy from a view of it, no intermediate copies.

@@ -76,6 +76,14 @@ class ModelShape:
         overrides = {"vocab_size": vocab_size} if vocab_size else {}
         fam = registry.get(family)
         m = fam.model_class().from_flavor(flavor, meta=True, n_layers=1, **overrides)
+        return cls.from_model(m, flavor=flavor, n_layers=fam.flavors[flavor].n_layers, family=family,
+                              learned_positions=fam.learned_positions)
+
+    @classmethod
+    def from_model(cls, m, *, flavor: str, n_layers: int, family: str, learned_positions: bool) -> "ModelShape":
+        """Sizes counted on a model (on meta) with at least one block."""
+        from torch import nn
+
         c = m.cfg
         block = next(iter(m.transformer_blocks().children()))
         in_block = {id(p) for p in block.parameters()}
@@ -83,14 +91,14 @@ class ModelShape:
         outside = [p for p in m.parameters() if id(p) not in in_block and all(p is not e for e in embeddings)]
         count = lambda params, ndim: sum(p.numel() for p in params if p.ndim == ndim)
         n_kv = getattr(c, "n_kv_heads", None) or c.n_heads
-        return cls(flavor=flavor, n_layers=fam.flavors[flavor].n_layers, dim=c.dim, n_heads=c.n_heads,
+        return cls(flavor=flavor, n_layers=n_layers, dim=c.dim, n_heads=c.n_heads,
                    kv_dim=n_kv * c.head_dim, ffn_hidden=c.ffn_hidden, vocab=c.vocab_size,
                    layer_split=count(block.parameters(), 2), layer_replicated=count(block.parameters(), 1),
                    embedding=sum(e.numel() for e in embeddings),
                    head_split=count(outside, 2) or (embeddings[0].numel() if c.tie_embeddings else 0),
                    head_replicated=count(outside, 1), tied=c.tie_embeddings,
                    tp_divisible=m.tp_divisible(), family=family,
-                   max_positions=c.max_seq_len if fam.learned_positions else 0)
+                   max_positions=c.max_seq_len if learned_positions else 0)
 
     @property
     def layer_params(self) -> int:

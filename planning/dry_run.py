@@ -373,7 +373,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
             report["comm"].update(_pipeline_boundary(cfg, layout, parts, model.cfg))
         report["seconds"] = time.perf_counter() - started
         if card is not None:
-            report.update(judge_fit(report["memory"]["total"], card, cfg, layout, model.cfg, world_size,
+            report.update(judge_fit(report["memory"]["total"], card, cfg, layout, model, world_size,
                                     gpus_per_node, rank))
     finally:
         dist.destroy_process_group()
@@ -382,7 +382,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     return report
 
 
-def judge_fit(peak: int, card, cfg, layout, model_cfg, world_size: int, gpus_per_node: int, rank: int) -> dict:
+def judge_fit(peak: int, card, cfg, layout, model, world_size: int, gpus_per_node: int, rank: int) -> dict:
     """Fits by the planner's rule (planning.hardware.usable_bytes: the same headroom), and
     the planner's own estimate of this very layout beside the trace, so a planner-written
     config's dry run says whether the two agree."""
@@ -393,7 +393,7 @@ def judge_fit(peak: int, card, cfg, layout, model_cfg, world_size: int, gpus_per
     out = {"gpu": card.name, "capacity": card.hbm_bytes, "usable": usable_bytes(card),
            "fits": peak <= usable_bytes(card)}
     try:
-        e = estimate(*planner_layout(cfg, layout, model_cfg, world_size, gpus_per_node, card))
+        e = estimate(*planner_layout(cfg, layout, model, world_size, gpus_per_node, card))
     except NotModelled as err:
         out["estimate_missing"] = str(err)
         return out

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import sys
 
+from models import registry
 from planning.cost import Estimate, Job, Layout, ModelShape, estimate
 from planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 
@@ -26,9 +27,9 @@ class NotModelled(ValueError):
     """The config uses something the formulas do not cover; the message says what."""
 
 
-def planner_layout(cfg, layout, model_cfg, world_size: int, gpus_per_node: int, gpu) -> tuple[Job, Layout]:
+def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu) -> tuple[Job, Layout]:
     """The planner's (Job, Layout) for a train.py config whose layout train.py resolved
-    (training.recipe.plan_layout) and whose model it built (``model_cfg``)."""
+    (training.recipe.plan_layout) and whose model it built (``model``, on meta)."""
     ac, p = cfg.activation_checkpoint, cfg.parallelism
     if ac.mode not in AC_MODELLED or (ac.mode == "selective" and ac.selective_every != 2):
         raise NotModelled(f"[activation_checkpoint] mode = \"{ac.mode}\"" +
@@ -40,7 +41,12 @@ def planner_layout(cfg, layout, model_cfg, world_size: int, gpus_per_node: int, 
         raise NotModelled(f"pp_schedule = \"{layout.schedule}\": the formulas know {', '.join(SCHEDULES_MODELLED)}")
     if p.pp_layers_per_stage or p.pp_split_points:
         raise NotModelled("a hand-placed pipeline split: the formulas split layers evenly")
-    shape = ModelShape.from_flavor(cfg.model.flavor, model_cfg.vocab_size, cfg.model.name)
+    model_cfg = model.cfg
+    if registry.get(cfg.model.name).flavors:
+        shape = ModelShape.from_flavor(cfg.model.flavor, model_cfg.vocab_size, cfg.model.name)
+    else:  # a model from its own config file (name = "hf"): counted on the model itself
+        shape = ModelShape.from_model(model, flavor=cfg.model.name, n_layers=model_cfg.n_layers,
+                                      family=cfg.model.name, learned_positions=model.learned_positions())
     shape = dataclasses.replace(shape, n_layers=model_cfg.n_layers)  # [model] n_layers may override
     per_node = min(gpus_per_node, world_size)
     job = Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size)
@@ -60,7 +66,7 @@ def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:
 
     model = recipe.build_model(cfg, tokenizer_vocab=1)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
-    return estimate(*planner_layout(cfg, layout, model.cfg, world_size, gpus_per_node, gpu))
+    return estimate(*planner_layout(cfg, layout, model, world_size, gpus_per_node, gpu))
 
 
 def as_dict(e: Estimate, gpu) -> dict:

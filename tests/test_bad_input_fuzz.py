@@ -59,7 +59,7 @@ from training.config_loader import CONFIGS_DIR, available_configs, describe_acce
 SECONDS = 5.0
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-              list[int]: "a list of integers"}
+              list[int]: "a list of integers", list[str]: "a list of strings"}
 FIELDS = [(section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 RANGED = [(s, f) for s, f in FIELDS if {"min", "max", "gt", "lt"} & set(f.metadata)]
 CHOICE = [(s, f) for s, f in FIELDS if "choices" in f.metadata]
@@ -226,12 +226,16 @@ def wrong_toml_value(typ):
     """A TOML value of another type than `typ` (an int is a fine float, so not for one)."""
     kinds = dict(TOML_SCALARS, table=TOML_TABLE)
     allowed = {int: ("int",), float: ("int", "float"), bool: ("bool",), str: ("str",),
-               list[int]: ()}[typ]
+               list[int]: (), list[str]: ()}[typ]
     options = [s for name, s in kinds.items() if name not in allowed]
     if typ == list[int]:  # a list, but with something other than an integer in it
         options.append(st.lists(st.one_of(TOML_SCALARS["int"], TOML_SCALARS["str"], TOML_SCALARS["float"],
                                           TOML_SCALARS["bool"]), min_size=1, max_size=4)
                        .filter(lambda xs: any(type(x) is not int for x in xs)))
+    elif typ == list[str]:  # a list, but with something other than a string in it
+        options.append(st.lists(st.one_of(TOML_SCALARS["int"], TOML_SCALARS["str"], TOML_SCALARS["float"],
+                                          TOML_SCALARS["bool"]), min_size=1, max_size=4)
+                       .filter(lambda xs: any(type(x) is not str for x in xs)))
     else:
         options.append(TOML_LIST)
     return st.one_of(*options)
@@ -281,7 +285,8 @@ def test_wrong_type_in_a_file_names_file_key_and_type(workdir, section, f, data,
     count("1 wrong type, file")
 
 
-NON_STR = [(s, f) for s, f in FIELDS if f.type is not str]  # on the command line any text is a str
+# On the command line any text is a str, and a list of them.
+NON_STR = [(s, f) for s, f in FIELDS if f.type not in (str, list[str])]
 
 
 @pytest.mark.parametrize("section,f", NON_STR, ids=ids(NON_STR))

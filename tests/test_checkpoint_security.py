@@ -81,20 +81,20 @@ def test_a_truncated_index_is_refused_with_its_path(checkpoint, tmp_path):
 
 
 def test_pickled_hugging_face_weights_are_refused_with_how_to_convert(tmp_path):
-    from models.llama.hf import _tensor_files
+    from models.safetensors_files import tensor_files
 
     (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps(_RunsACommand(tmp_path / "code_ran")))
     with pytest.raises(FileNotFoundError, match="pytorch_model.bin: pickled weights.*safetensors"):
-        _tensor_files(tmp_path)
+        tensor_files(tmp_path)
     assert not (tmp_path / "code_ran").exists()
 
 
 def test_a_safetensors_index_may_not_point_outside_its_folder(tmp_path):
     import json
 
-    from models.llama.hf import _tensor_files
+    from models.safetensors_files import tensor_files
 
     index = {"weight_map": {"model.embed_tokens.weight": "../elsewhere/model-00001.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="outside"):
-        _tensor_files(tmp_path)
+        tensor_files(tmp_path)

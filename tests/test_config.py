@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from training.config import PP_SCHEDULES, SECTIONS, ConfigError, JobConfig, choices, default_of
 from training.config_loader import (CONFIGS_DIR, config_to_dict, config_to_toml, format_help, load_config,
                                     parse_args, tomllib, validate)
@@ -39,6 +40,8 @@ def changed(section) -> object:
             new[f.name] = v / 2
         elif f.type == list[int]:
             new[f.name] = v + [3, 7]
+        elif f.type == list[str]:
+            new[f.name] = v + ["a.*.b=colwise", 'back\\slash "quoted"=é']
         else:  # a string that needs every kind of TOML escaping
             new[f.name] = v + ' "quoted" back\\slash\ttab\nnewline é \x7f'
     return dataclasses.replace(section, **new)
@@ -53,7 +56,9 @@ def test_defaults_load_without_a_file():
 def test_every_section_round_trips_through_toml(tmp_path):
     base = JobConfig()
     cfg = dataclasses.replace(base, **{n: changed(getattr(base, n)) for n in SECTIONS})
-    cfg.model.flavor = "124M"  # a flavor of the changed family (gpt2)
+    # The changed family is gpt2; the hf_* keys (changed too) belong to name = "hf", whose
+    # hf_config must be a real config.json.
+    cfg.model.name, cfg.model.hf_config = "hf", str(ROOT / "configs" / "hf" / "qwen2-tiny")
     validate(cfg)
     for name in SECTIONS:  # every field is off its default, unless it has only one choice
         for f in dataclasses.fields(getattr(cfg, name)):

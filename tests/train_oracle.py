@@ -26,6 +26,8 @@ def oracle_for(*argv: str, with_unclipped: bool = False) -> oracle.Oracle:
     shape = recipe.build_model(cfg, build_tokenizer(t.tokenizer).vocab_size)  # on meta: only its class and config
 
     def make():
+        if cfg.model.name == "hf":
+            return plain_transformers_model(shape, t.seed)
         model = type(shape)(shape.cfg)
         model.init_weights(seed=t.seed)
         return model
@@ -42,6 +44,22 @@ def oracle_for(*argv: str, with_unclipped: bool = False) -> oracle.Oracle:
     return oracle.run_oracle(make, steps, with_unclipped=with_unclipped, lr=o.lr, max_norm=t.max_norm,
                              betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, decay_all=False,
                              lr_at=lr_at)
+
+
+def plain_transformers_model(shape, seed: int):
+    """transformers' own class for a `[model] name = "hf"` model (not meshtrain's subclass),
+    on CPU, holding the initial weights meshtrain gives that seed."""
+    import copy
+
+    from models.hf.model import causal_lm_class
+
+    ours = copy.deepcopy(shape)  # on meta: free
+    ours.init_weights(seed=seed, device="cpu")
+    cls = causal_lm_class(shape.cfg.hf)
+    plain = cls(cls.config_class.from_dict(shape.cfg.hf))
+    assert type(plain) is cls and type(plain).forward is cls.forward
+    plain.load_state_dict(ours.state_dict())  # strict: the same names, the same shapes
+    return plain
 
 
 def logged(run_dir: Path, tag: str) -> list[float]:

@@ -64,8 +64,9 @@ class JobSection:
 
 @dataclass
 class ModelSection:
-    name: str = opt("llama", "model family: llama (Llama 3) or gpt2 (GPT-2/GPT-3 shapes, tied "
-                    "embeddings), or any family in models/registry.py", choices=_families)
+    name: str = opt("llama", "model family: llama (Llama 3), gpt2 (GPT-2/GPT-3 shapes, tied "
+                    "embeddings), hf (any Hugging Face causal LM, from hf_config), or any family in "
+                    "models/registry.py", choices=_families)
     flavor: str = opt("debug", "size preset of that family (debug is tiny, for tests)",
                       choices=_flavors)
     vocab_size: int = opt(0, "embedding rows; 0: take it from the tokenizer", min=0,
@@ -74,6 +75,14 @@ class ModelSection:
                           lt=math.inf)
     n_layers: int = opt(0, "transformer blocks; 0: the flavor's (fewer: a flavor's blocks on fewer "
                         "GPUs, for benchmarks and smoke tests)", min=0, max=10_000)
+    hf_config: str = opt("", 'name = "hf": a Hugging Face config.json (or its folder) of any causal LM '
+                         "transformers knows; the model is built from it on meta, nothing downloaded")
+    hf_block_classes: list[str] = opt([], 'name = "hf": the transformer block classes FSDP wraps (like '
+                                      "Accelerate's fsdp_transformer_layer_cls_to_wrap); []: the "
+                                      "architecture's _no_split_modules")
+    hf_tp_plan: list[str] = opt([], 'name = "hf": a TP plan as "pattern=style" entries relative to the '
+                                'base model, e.g. "layers.*.mlp.up_proj=colwise"; []: the config\'s '
+                                "base_model_tp_plan")
 
 
 @dataclass
@@ -166,8 +175,9 @@ class CheckpointSection:
     if_config_differs: str = opt("refuse", "the newest checkpoint was written with another config "
                                  "(model, data, optimizer...): refuse, or resume anyway",
                                  choices=("refuse", "resume"))
-    initial_load_hf: str = opt("", "a Hugging Face Llama folder (config.json + *.safetensors) to "
-                               "start from when there is no checkpoint to resume")
+    initial_load_hf: str = opt("", "a Hugging Face folder (config.json + *.safetensors; Llama, or the "
+                               'model of [model] name = "hf") to start from when there is no '
+                               "checkpoint to resume")
 
 
 @dataclass

@@ -9,6 +9,7 @@ The schema (sections, fields, accepted values) is training/config.py.
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -33,7 +34,8 @@ CLI = "command line"  # the source name used in messages for --section.key overr
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-               list[int]: "a list of integers, like [8, 16] (on the command line: 8,16)"}
+               list[int]: "a list of integers, like [8, 16] (on the command line: 8,16)",
+               list[str]: 'a list of strings, like ["a", "b"] (on the command line: a,b)'}
 
 
 def _coerce(value, typ, from_cli: bool):
@@ -44,6 +46,12 @@ def _coerce(value, typ, from_cli: bool):
         if from_cli:
             return [int(v) for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
         if type(value) is not list or any(type(v) is not int for v in value):
+            raise ValueError(value)
+        return value
+    if typ == list[str]:
+        if from_cli:
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if type(value) is not list or any(type(v) is not str for v in value):
             raise ValueError(value)
         return value
     if from_cli:
@@ -155,8 +163,9 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
             raise ConfigError(f"{where} is out of range; accepted: {describe_accepted(meta)}.")
 
     m = cfg.model
+    _check_hf_model(m, sources)
     flavors = registry.get(m.name).flavors
-    if m.flavor not in flavors:
+    if flavors and m.flavor not in flavors:
         where = _where("model", "flavor", m.flavor, sources.get(("model", "flavor")))
         raise ConfigError(f'{where} is not a {m.name} flavor ([model] name = "{m.name}"). '
                           f"Accepted values: {', '.join(flavors)}.")
@@ -168,6 +177,36 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         raise ConfigError(f"{where} must divide global_batch_size = {t.global_batch_size}: every "
                           f"step runs whole micro-batches. Use a divisor of {t.global_batch_size}, "
                           f"or 0 for one micro-batch per rank.")
+
+
+def _check_hf_model(m, sources) -> None:
+    """[model] name = "hf" and its keys: the config.json is read here (torch-free), the
+    model class is found when the model is built (that needs transformers)."""
+    hf_keys = [k for k in ("hf_config", "hf_block_classes", "hf_tp_plan") if getattr(m, k)]
+    if m.name != "hf":
+        if hf_keys:
+            where = _where("model", hf_keys[0], getattr(m, hf_keys[0]), sources.get(("model", hf_keys[0])))
+            raise ConfigError(f'{where} is for [model] name = "hf" (a Hugging Face model); name is "{m.name}"')
+        return
+    where = _where("model", "hf_config", m.hf_config, sources.get(("model", "hf_config")))
+    if not m.hf_config:
+        raise ConfigError(f'{where}: [model] name = "hf" needs hf_config = a Hugging Face config.json '
+                          "or the folder holding it")
+    from models.hf.config import read_hf_config
+
+    try:
+        read_hf_config(m.hf_config)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f'[model] name = "hf" builds the model with transformers, which is not installed: '
+                          'pip install "meshtrain[hf]" (or pip install transformers)')
+    for entry in m.hf_tp_plan:
+        key, sep, style = entry.partition("=")
+        if not (sep and key.strip() and style.strip()):
+            where = _where("model", "hf_tp_plan", m.hf_tp_plan, sources.get(("model", "hf_tp_plan")))
+            raise ConfigError(f'{where}: entry "{entry}" is not "module.pattern=style" '
+                              '(e.g. "layers.*.mlp.up_proj=colwise")')
 
 
 # ---------------------------------------------------------------- files

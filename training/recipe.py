@@ -28,6 +28,7 @@ from parallel.async_tp import async_tp_unavailable
 from parallel.float8 import apply_float8, float8_unavailable
 from parallel.fsdp import check_strategy
 from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
+from parallel.tensor_parallel import check_tp_plan
 from parallel.tied import tie_across_stages
 from training.checkpoint import CheckpointError, CheckpointManager
 from training.config import ConfigError, JobConfig
@@ -51,6 +52,8 @@ def device_type(cfg: JobConfig) -> str:
 def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     """The whole model on meta: no memory, whatever its size."""
     m, seq_len = cfg.model, cfg.training.seq_len
+    if m.name == "hf":
+        return build_hf_model(cfg, tokenizer_vocab)
     family = registry.get(m.name)
     vocab = m.vocab_size or -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if vocab < tokenizer_vocab:
@@ -65,6 +68,31 @@ def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     if seq_len > model.cfg.max_seq_len:
         raise ConfigError(f"[training] seq_len = {seq_len} is longer than {m.name} {m.flavor}'s "
                           f"{model.cfg.max_seq_len} learned positions; use seq_len <= {model.cfg.max_seq_len}")
+    return model
+
+
+def build_hf_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
+    """[model] name = "hf": transformers' class for the config.json, on meta."""
+    from models.hf.config import HFModelError
+    from models.hf.model import build_hf, plan_words
+
+    m, seq_len = cfg.model, cfg.training.seq_len
+    where = f'[model] hf_config = "{m.hf_config}"'
+    try:
+        plan = plan_words(m.hf_tp_plan, "[model] hf_tp_plan") if m.hf_tp_plan else None
+        model = build_hf(m.hf_config, n_layers=m.n_layers, block_classes=tuple(m.hf_block_classes), tp_plan=plan)
+    except HFModelError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    c = model.cfg
+    if m.vocab_size and m.vocab_size != c.vocab_size:
+        raise ConfigError(f"[model] vocab_size = {m.vocab_size}, but {where} has vocab_size = {c.vocab_size}; "
+                          "leave vocab_size at 0 for a Hugging Face model")
+    if tokenizer_vocab > c.vocab_size:
+        raise ConfigError(f"{where} has {c.vocab_size} embedding rows, fewer than the tokenizer's "
+                          f"{tokenizer_vocab} tokens ([training] tokenizer)")
+    if model.learned_positions() and seq_len > c.max_seq_len:
+        raise ConfigError(f"[training] seq_len = {seq_len} is longer than the {c.max_seq_len} learned positions "
+                          f"of {where}; use seq_len <= {c.max_seq_len}")
     return model
 
 
@@ -112,6 +140,11 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
     dims.check_model(model.tp_divisible(), seq_len=t.seq_len, sequence_parallel=p.sequence_parallel,
                      gpus_per_node=gpus_per_node)
+    refusal = model.layout_refusal(tp=dims.tp, pp=dims.pp) if hasattr(model, "layout_refusal") else None
+    if refusal:
+        raise LayoutError(f"[parallelism] tp = {dims.tp}, pp = {dims.pp}: {refusal}")
+    if dims.tp > 1:  # a plan naming modules that are not there, or that it cannot split: now, not after start-up
+        check_tp_plan(model, model.tp_plan(sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel))
     try:
         strategy = check_strategy(p.sharding_strategy, dims.degrees)
     except LayoutError as err:

@@ -21,11 +21,11 @@ from typing import Iterable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models.llama.config import LlamaConfig
+from models.safetensors_files import tensor_files, write_safetensors
 from parallel.init import canonical_name, materialize
 
 # Inside layers.N. (ours) / model.layers.N. (theirs).
@@ -157,28 +157,6 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 # ---- loading ----
 
-def _tensor_files(hf_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (model.safetensors, or an index's)."""
-    index = hf_dir / "model.safetensors.index.json"
-    if (hf_dir / "model.safetensors").is_file():
-        with safe_open(hf_dir / "model.safetensors", framework="pt") as f:
-            return dict.fromkeys(f.keys(), hf_dir / "model.safetensors")
-    if index.is_file():
-        files = {k: hf_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        root = hf_dir.resolve()
-        outside = sorted({str(f) for f in files.values() if root not in f.resolve().parents})
-        if outside:  # an index may only point at shards beside it
-            raise ValueError(f"{index} names files outside {hf_dir}: {', '.join(outside[:3])}")
-        return files
-    pickled = sorted(p.name for p in hf_dir.glob("pytorch_model*.bin"))
-    if pickled:
-        raise FileNotFoundError(
-            f"{hf_dir} holds only {', '.join(pickled)}: pickled weights, which can run code when loaded, so "
-            "meshtrain reads safetensors only. Convert once where you trust the file: "
-            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) writes safetensors")
-    raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
-
-
 def _check_same_model(cfg: LlamaConfig, hf: LlamaConfig) -> None:
     """What tensor shapes cannot reveal: layer count, how dim splits into heads, rotary
     frequencies, norm epsilon. (Sizes are checked tensor by tensor, naming the tensor.)"""
@@ -210,7 +188,7 @@ def load_hf_weights_(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     cfg: LlamaConfig = model.cfg
     _check_same_model(cfg, hf_cfg)
     materialize(model)
-    files = _tensor_files(hf_dir)
+    files = tensor_files(hf_dir)
     with contextlib.ExitStack() as stack:
         opened: dict[Path, object] = {}  # safetensors maps each file; a slice reads only its bytes
         for name, param in model.named_parameters():
@@ -261,56 +239,21 @@ def save_hf(tensors: Iterable[tuple[str, torch.Tensor]], cfg: LlamaConfig, out_d
     tensor) pairs, e.g. streamed from a checkpoint. Files past ``max_shard_bytes`` start a
     new shard (model-0000i-of-0000N.safetensors + index), so at most one shard is held in
     memory. ``dtype`` converts (default: as given). Returns the weight files written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # A stale model.safetensors would win over a new index in from_pretrained.
-    for old in [*out.glob("model-*-of-*.safetensors"), *out.glob("model.safetensors*")]:
-        old.unlink()
     expected = {to_hf_name(f"layers.{i}.{n}") for i in range(cfg.n_layers) for n in _BLOCK_NAMES}
     expected |= {v for k, v in _TOP_NAMES.items() if not (cfg.tie_embeddings and k == "output.weight")}
-    shard: dict[str, torch.Tensor] = {}
-    parts: list[tuple[Path, list[str]]] = []  # (file written, its tensor names)
-    total = shard_bytes = 0
-    out_dtype = dtype
 
-    def flush():
-        path = out / f"model-{len(parts) + 1:05d}.partial"  # renamed once the count is known
-        save_file(shard, str(path), metadata={"format": "pt"})  # "pt": transformers checks it
-        parts.append((path, list(shard)))
-        shard.clear()
+    def converted():
+        for name, tensor in tensors:
+            hf_name = to_hf_name(name)
+            if cfg.tie_embeddings and hf_name == "lm_head.weight":
+                continue  # tied: transformers rebuilds lm_head from embed_tokens
+            t = tensor.to(dtype=dtype or tensor.dtype)
+            if (heads := rotary_heads(name, cfg)) is not None:
+                t = interleaved_to_half(t, heads)
+            yield hf_name, t
 
-    for name, tensor in tensors:
-        hf_name = to_hf_name(name)
-        if cfg.tie_embeddings and hf_name == "lm_head.weight":
-            continue  # tied: transformers rebuilds lm_head from embed_tokens
-        t = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype)
-        out_dtype = out_dtype or t.dtype
-        if (heads := rotary_heads(name, cfg)) is not None:
-            t = interleaved_to_half(t, heads)
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        if shard and shard_bytes + nbytes > max_shard_bytes:
-            flush()
-            shard_bytes = 0
-        shard[hf_name] = t
-        expected.discard(hf_name)
-        total += nbytes
-        shard_bytes += nbytes
-    if expected:
-        for path, _ in parts:
-            path.unlink()
-        raise ValueError(f"{len(expected)} tensors missing for a full model, e.g. {sorted(expected)[:3]}")
-    flush()
-
-    if len(parts) == 1:
-        names = [out / "model.safetensors"]
-    else:
-        names = [out / f"model-{i:05d}-of-{len(parts):05d}.safetensors" for i in range(1, len(parts) + 1)]
-        weight_map = {t: final.name for final, (_, keys) in zip(names, parts) for t in keys}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    for final, (path, _) in zip(names, parts):
-        path.replace(final)
+    out = Path(out_dir)
+    written, out_dtype = write_safetensors(converted(), out, expected=expected, max_shard_bytes=max_shard_bytes)
     config = config_to_hf(cfg, out_dtype or torch.float32)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return names
+    return written

@@ -1,0 +1,352 @@
+"""A transformers causal LM as a meshtrain model, built on meta from its config.json.
+
+The model *is* transformers' class (`Qwen2ForCausalLM`, ...), subclassed once to add what
+parallel/ asks of a model (see models/registry.py), so its parameter names are the Hugging
+Face ones: a checkpoint exports by copying names, and safetensors weights load the same way.
+Everything it needs comes from transformers' own description of the architecture:
+
+    _no_split_modules          the transformer block classes (FSDP units, AC, compile)
+    base_model_tp_plan         which projections split how (translated to torch styles)
+    base_model_pp_plan         embeddings / layers / norm (where a pipeline cuts)
+    _init_weights(module)      the architecture's initial distribution
+
+Sequence parallelism is not applied: transformers builds rotary tables and the causal mask
+from the sequence length of the hidden states it is given, so the sequence stays whole
+between blocks (the norms run unsplit; attention and MLP split by heads and width).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from models.common import fsdp_units, vocab_parallel_ends
+from models.hf.config import HFConfig, HFModelError, read_hf_config
+from parallel.init import canonical_name, copy_block_, materialize, param_seed
+from parallel.mesh import LayoutError
+
+# transformers' TP plan words -> torch styles. "_gather_output" / "_rep": the column split's
+# output is gathered (the next op needs every head, e.g. OLMo2's norm over all of q);
+# "_split_input": the row split takes a whole input and keeps its own slice.
+STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+
+
+def transformers_or_explain():
+    """The transformers module, or HFModelError saying what to install."""
+    try:
+        import transformers
+    except ImportError:
+        raise HFModelError('[model] name = "hf" builds the model with transformers, which is not installed: '
+                          'pip install "meshtrain[hf]" (or pip install transformers)') from None
+    return transformers
+
+
+def causal_lm_class(hf: dict):
+    """transformers' causal-LM class for a config dict; HFModelError when there is none."""
+    transformers = transformers_or_explain()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = hf["model_type"]
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise HFModelError(f"model_type \"{kind}\" is not a causal language model that transformers "
+                         f"{transformers.__version__} knows (AutoModelForCausalLM has no class for it); "
+                         f"causal LMs include llama, qwen2, mistral, gemma, phi3, olmo2, gpt2")
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
+
+
+def build_hf(where: str, *, hf: dict | None = None, n_layers: int = 0, block_classes: tuple[str, ...] = (),
+             tp_plan: dict[str, str] | None = None) -> nn.Module:
+    """The model of the config.json at ``where`` (or of the dict ``hf``) on meta: nothing
+    allocated or downloaded. ``n_layers`` (0: the config's) shortens it; ``block_classes``
+    (class names) replace ``_no_split_modules``; ``tp_plan`` (pattern -> transformers' style
+    word, relative to the base model) replaces ``base_model_tp_plan``."""
+    hf = hf if hf is not None else read_hf_config(where)
+    cls = causal_lm_class(hf)
+    config = cls.config_class.from_dict({**hf, **({"num_hidden_layers": n_layers} if n_layers else {})})
+    config.use_cache = False
+    if getattr(config, "_attn_implementation", None) in (None, "flash_attention_2", "flash_attention_3"):
+        config._attn_implementation = "sdpa"  # no extra package; flash kernels through torch's SDPA
+    with torch.device("meta"):
+        model = cls(config)
+    model.__class__ = _meshtrain_class(cls)
+    model._mt_setup(config, block_classes, tp_plan)
+    return model
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _meshtrain_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (HFModel, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def _sizes(config) -> dict:
+    """The sizes meshtrain reads (HFConfig's), from a transformers config."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return dict(dim=text.hidden_size, n_layers=text.num_hidden_layers, n_heads=heads,
+                n_kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                ffn_hidden=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+                vocab_size=text.vocab_size,
+                max_seq_len=getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", 0) or 0,
+                tie_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+
+
+class HFModel:
+    """What meshtrain adds to a transformers causal LM (mixed in before its class)."""
+
+    def _mt_setup(self, config, block_classes, tp_plan) -> None:
+        self.cfg = HFConfig(hf=config.to_dict(), **_sizes(config))
+        self._mt_first, self._mt_last = True, True
+        self._mt_tied_sources: dict[str, tuple[str, nn.Module]] = {}
+        base = self.base_model
+        self._mt_base = next(name for name, m in self.named_children() if m is base)
+        names = tuple(block_classes) or tuple(getattr(self, "_no_split_modules", None) or ())
+        blocks = [m for m in self.modules() if type(m).__name__ in names]
+        if not blocks:
+            present = sorted({type(m).__name__ for m in self.modules()})
+            near = [n for n in present if "Layer" in n or "Block" in n] or present
+            raise HFModelError(f"block classes {list(names)} are not in {type(self).__name__} "
+                               f"(set [model] hf_block_classes; classes it has: {', '.join(near)})")
+        self._mt_block_classes = names
+        # The blocks' container (layers, h, ...), a child of the base model.
+        self._mt_layers = next(n for n, m in base.named_children()
+                               if isinstance(m, nn.ModuleList) and any(b is blocks[0] for b in m))
+        # Embeddings and final norm: named by base_model_pp_plan (embed_tokens / layers / norm).
+        # Without one, FSDP's root unit holds them and a pipeline cannot be cut.
+        pp_plan = list(getattr(config, "base_model_pp_plan", None) or {})
+        standard = len(pp_plan) == 3 and pp_plan[1] == self._mt_layers
+        self._mt_embed, self._mt_norm = (pp_plan[0], pp_plan[2]) if standard else (None, None)
+        plan = tp_plan if tp_plan is not None else dict(getattr(config, "base_model_tp_plan", None) or {})
+        self._mt_tp_words = plan
+        embedding = self.get_input_embeddings().weight
+        self._mt_embed_weight = next(n for n, p in self.named_parameters() if p is embedding)
+
+    def layout_refusal(self, *, tp: int, pp: int) -> str | None:
+        """Why this model cannot take these degrees (checked before any process group), or None."""
+        name = type(self).__name__
+        if tp > 1:
+            unknown = {key: word for key, word in self._mt_tp_words.items() if word not in STYLES}
+            if unknown:
+                listed = ", ".join(f"{k} = {w!r}" for k, w in unknown.items())
+                return (f"{name}'s tensor-parallel plan uses styles meshtrain does not translate: {listed} "
+                        f"(it translates {', '.join(STYLES)}); give [model] hf_tp_plan, or use tp = 1")
+            if not self._mt_tp_words:
+                return (f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan): "
+                        "give [model] hf_tp_plan, or use tp = 1 (FSDP alone trains it)")
+            if self.cfg.tie_embeddings and self._mt_embed is None:
+                return (f"{name} ties its embedding and output layer, and without a base_model_pp_plan "
+                        "meshtrain cannot find the embedding to split it like the output; use tp = 1")
+        if pp > 1:
+            if self._mt_embed is None:
+                return (f"{name} has no base_model_pp_plan (embeddings / layers / norm), so meshtrain "
+                        "does not know where a pipeline stage starts and ends; use pp = 1")
+            if not _embeddings_pass_through(self):
+                return (f"{name} transforms its embeddings in forward before the first block (e.g. a "
+                        "scale), so a pipeline stage after the first cannot take hidden states as "
+                        "inputs_embeds; use pp = 1 for this architecture")
+        return None
+
+    # ---- forward: token ids (or a stage's incoming hidden states) -> logits (or hidden states) ----
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        given = {"input_ids": tokens} if self._mt_first else {"inputs_embeds": tokens}
+        if not self._mt_last:
+            return getattr(self, self._mt_base)(**given).last_hidden_state
+        return super().forward(**given).logits
+
+    # ---- what parallel/ needs to know ----
+
+    def _layers(self) -> nn.ModuleList:
+        return getattr(getattr(self, self._mt_base), self._mt_layers)
+
+    def transformer_blocks(self) -> nn.ModuleList:
+        return self._layers()
+
+    def fsdp_units(self) -> list:
+        base = getattr(self, self._mt_base)
+        embed = getattr(base, self._mt_embed) if self._mt_embed else None
+        norm = getattr(base, self._mt_norm) if self._mt_norm else None
+        head = [m for m in (norm, self._head()) if m is not None and any(True for _ in m.parameters())]
+        # Without a known embedding, a tied output layer stays with it in the root unit.
+        head = head if embed is not None or not self.cfg.tie_embeddings else []
+        return fsdp_units(list(self._layers()), [embed], head, tied=self.cfg.tie_embeddings)
+
+    def tied_weights(self) -> list[tuple[str, ...]]:
+        if not self.cfg.tie_embeddings:
+            return []
+        return [(self._mt_embed_weight, f"{self._head_name()}.weight")]
+
+    def _head_name(self) -> str:
+        return "lm_head"
+
+    def _head(self) -> nn.Module | None:
+        return getattr(self, self._head_name(), None)
+
+    def tp_divisible(self) -> dict[str, int]:
+        c = self.cfg
+        return {"heads": c.n_heads, "kv heads": c.n_kv_heads, "FFN width": c.ffn_hidden, "vocab size": c.vocab_size}
+
+    def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
+        """transformers' plan for the blocks, in torch styles, plus the vocabulary split of
+        the embedding and output layer (as meshtrain's own models). ``sequence_parallel`` is
+        not applied (see the module docstring)."""
+        refusal = self.layout_refusal(tp=2, pp=1)
+        if refusal:
+            raise LayoutError(refusal)
+        plan = {}
+        if len(self._layers()):
+            plan = {f"{self._mt_base}.{key}": STYLES[word]() for key, word in self._mt_tp_words.items()}
+        if self._mt_embed is None:  # the ends stay whole (FSDP shards them); the logits are plain
+            return plan
+        embedding, output = vocab_parallel_ends(sequence_parallel=False, loss_parallel=loss_parallel)
+        base = getattr(self, self._mt_base)
+        if getattr(base, self._mt_embed, None) is not None:
+            plan[f"{self._mt_base}.{self._mt_embed}"] = embedding
+        if self._head() is not None:
+            plan[self._head_name()] = output
+        return plan
+
+    # ---- pipeline stages ----
+
+    def pipeline_stage(self, layer_ids: list[int], *, first: bool, last: bool) -> nn.Module:
+        """A copy holding only ``layer_ids`` (names unchanged: "model.layers.5..."), the
+        embeddings if ``first``, the final norm and output layer if ``last``. A stage after
+        the first feeds its hidden states in as ``inputs_embeds``, which only works when the
+        architecture passes them to its first block untouched (checked here, on meta)."""
+        refusal = self.layout_refusal(tp=1, pp=2)
+        if refusal:
+            raise LayoutError(refusal)
+        stage = copy.deepcopy(self)
+        layers = stage._layers()
+        keep = {str(i) for i in layer_ids}
+        layers._modules = OrderedDict((k, m) for k, m in layers._modules.items() if k in keep)
+        base = getattr(stage, stage._mt_base)
+        if not first:
+            setattr(base, stage._mt_embed, None)
+        if not last:
+            setattr(base, stage._mt_norm, nn.Identity())
+            setattr(stage, stage._head_name(), None)
+        if last and not first and self.cfg.tie_embeddings:
+            # The tied copy on this stage starts as the embedding does: initialized by a
+            # (meta) copy of the embedding module under its name. See init_weights.
+            source = f"{self._mt_base}.{self._mt_embed}"
+            stage._mt_tied_sources = {f"{self._head_name()}.weight": (source, copy.deepcopy(self.get_submodule(source)))}
+            stage._head().weight = nn.Parameter(torch.empty_like(self._head().weight))
+        stage._mt_first, stage._mt_last = first, last
+        return stage
+
+    # ---- initialization: the architecture's distribution, the same whatever the layout ----
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, device: torch.device | str | None = None) -> None:
+        """Materialize (if on meta) and initialize each module with transformers'
+        ``_init_weights``, run on full-size tensors from a generator seeded by (seed,
+        module name); each rank keeps its own blocks. Tied copies start as their source."""
+        materialize(self, device)
+        aliases = {alias for names in self.tied_weights() for alias in names[1:]}
+        for name, module in self.named_modules():
+            name = canonical_name(name + ".").rstrip(".")
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if f"{name}.{n}".lstrip(".") not in aliases]
+            if own or any(True for _ in module.buffers(recurse=False)):
+                self._init_module(module, name, own, seed)
+        for alias, (source, shadow) in self._mt_tied_sources.items():
+            param = self.get_parameter(alias)
+            shadow = copy.deepcopy(shadow)
+            shadow.weight = nn.Parameter(torch.empty(param.shape, device=_local(param).device))
+            self._init_module(shadow, source, [("weight", shadow.weight)], seed, into={"weight": param})
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute derived buffers (rotary frequencies) after weights were loaded."""
+        for name, module in self.named_modules():
+            has_params = any(True for _ in module.parameters(recurse=False))
+            if not has_params and any(True for _ in module.buffers(recurse=False)):
+                self._init_module(module, canonical_name(name + ".").rstrip("."), [], 0)
+
+    def learned_positions(self) -> bool:
+        """Whether positions are a weight (a table of max_seq_len rows) rather than computed."""
+        embed = self.get_input_embeddings()
+        return any(isinstance(m, nn.Embedding) and m is not embed and m.num_embeddings == self.cfg.max_seq_len
+                   for m in self.modules())
+
+    def _init_module(self, module: nn.Module, name: str, own: list, seed: int, into: dict | None = None) -> None:
+        fulls, originals = {}, {}
+        for pname, param in own:
+            originals[pname] = param
+            fulls[pname] = torch.empty(param.shape, dtype=torch.float32, device=_local(param).device)
+            module._parameters[pname] = nn.Parameter(fulls[pname], requires_grad=False)
+        device = next(iter(fulls.values())).device if fulls else torch.device("cpu")
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            torch.manual_seed(param_seed(seed, name))
+            self._init_weights(module)
+        for pname, param in originals.items():
+            module._parameters[pname] = param
+            copy_block_((into or {}).get(pname, param), fulls[pname], f"{name}.{pname}")
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+class _FirstBlockReached(Exception):
+    pass
+
+
+def _stop_at_first_block(hidden_states=None, *args, **kwargs):
+    raise _FirstBlockReached(hidden_states)
+
+
+def _embeddings_pass_through(model: HFModel) -> bool:
+    """Whether the base model hands ``inputs_embeds`` to its first block untouched: run it
+    once on CPU on a tiny input, with a stub that stops at the first block and no weights
+    (the embedding and blocks left out; what runs before the first block is position and
+    mask arithmetic). An architecture that scales its embeddings in forward would scale a
+    later stage's incoming hidden states again."""
+    base = getattr(model, model._mt_base)
+    layers, embed = model._layers(), getattr(base, model._mt_embed)
+    stub = nn.Module()
+    stub.forward = _stop_at_first_block
+    try:
+        setattr(base, model._mt_layers, nn.ModuleList([stub]))
+        setattr(base, model._mt_embed, None)
+        probe_base = copy.deepcopy(base)
+    finally:
+        setattr(base, model._mt_layers, layers)
+        setattr(base, model._mt_embed, embed)
+    probe_base.to_empty(device="cpu")
+    probe = torch.zeros(1, 2, model.cfg.dim)
+    try:
+        probe_base(inputs_embeds=probe)
+        reached = None
+    except _FirstBlockReached as stop:
+        reached = stop.args[0]
+    return reached is probe
+
+
+def plan_words(entries: list[str], where: str) -> dict[str, str]:
+    """`[model] hf_tp_plan` entries "pattern=style" as a dict, checked."""
+    plan = {}
+    for entry in entries:
+        key, sep, word = (s.strip() for s in entry.partition("="))
+        if not sep or not key or word not in STYLES:
+            raise HFModelError(f"{where}: {entry!r} is not \"module.pattern=style\" with style one of "
+                             f"{', '.join(STYLES)}")
+        plan[key] = word
+    return plan
+

@@ -1,0 +1,85 @@
+"""Hugging Face weight folders, for any family: find which safetensors file holds each
+tensor, read one rank's block of a tensor, and write tensors as (sharded) safetensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def tensor_files(hf_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (model.safetensors, or an index's)."""
+    index = hf_dir / "model.safetensors.index.json"
+    if (hf_dir / "model.safetensors").is_file():
+        with safe_open(hf_dir / "model.safetensors", framework="pt") as f:
+            return dict.fromkeys(f.keys(), hf_dir / "model.safetensors")
+    if index.is_file():
+        files = {k: hf_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        root = hf_dir.resolve()
+        outside = sorted({str(f) for f in files.values() if root not in f.resolve().parents})
+        if outside:  # an index may only point at shards beside it
+            raise ValueError(f"{index} names files outside {hf_dir}: {', '.join(outside[:3])}")
+        return files
+    pickled = sorted(p.name for p in hf_dir.glob("pytorch_model*.bin"))
+    if pickled:
+        raise FileNotFoundError(
+            f"{hf_dir} holds only {', '.join(pickled)}: pickled weights, which can run code when loaded, so "
+            "meshtrain reads safetensors only. Convert once where you trust the file: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) writes safetensors")
+    raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, *, expected: set[str],
+                      max_shard_bytes: int = 5 * 10**9) -> tuple[list[Path], torch.dtype | None]:
+    """Write (Hugging Face name, tensor) pairs into ``out`` as model.safetensors, or as
+    model-0000i-of-0000N.safetensors + index once past ``max_shard_bytes`` (at most one
+    shard is held in memory). ``expected``: the names a whole model has; a missing one is
+    an error and nothing is left behind. Returns the files and the dtype written."""
+    out.mkdir(parents=True, exist_ok=True)
+    # A stale model.safetensors would win over a new index in from_pretrained.
+    for old in [*out.glob("model-*-of-*.safetensors"), *out.glob("model.safetensors*")]:
+        old.unlink()
+    expected = set(expected)
+    shard: dict[str, torch.Tensor] = {}
+    parts: list[tuple[Path, list[str]]] = []  # (file written, its tensor names)
+    total = shard_bytes = 0
+    dtype = None
+
+    def flush():
+        path = out / f"model-{len(parts) + 1:05d}.partial"  # renamed once the count is known
+        save_file(shard, str(path), metadata={"format": "pt"})  # "pt": transformers checks it
+        parts.append((path, list(shard)))
+        shard.clear()
+
+    for name, t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        dtype = dtype or t.dtype
+        nbytes = t.numel() * t.element_size()
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+            shard_bytes = 0
+        shard[name] = t
+        expected.discard(name)
+        total += nbytes
+        shard_bytes += nbytes
+    if expected:
+        for path, _ in parts:
+            path.unlink()
+        raise ValueError(f"{len(expected)} tensors missing for a full model, e.g. {sorted(expected)[:3]}")
+    flush()
+
+    if len(parts) == 1:
+        names = [out / "model.safetensors"]
+    else:
+        names = [out / f"model-{i:05d}-of-{len(parts):05d}.safetensors" for i in range(1, len(parts) + 1)]
+        weight_map = {t: final.name for final, (_, keys) in zip(names, parts) for t in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for final, (path, _) in zip(names, parts):
+        path.replace(final)
+    return names, dtype

@@ -1,0 +1,76 @@
+"""Train several `train.py` command lines in one torchrun job, through the recipe train.py
+uses (training/recipe.py: model, layout, parts, optimizer, step; the same data loader),
+and record for each its losses, gradient norms and full final weights:
+
+    torchrun --nproc-per-node 4 tests/workers/recipe_runs.py OUT_DIR RUNS.json
+
+RUNS.json maps a run name to its train.py arguments; results go to OUT_DIR/NAME.pt.
+(train.py itself cannot run twice in one process: its process group is torchrun's.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from parallel import mesh_coordinate, shutdown_distributed, submesh
+from parallel.init import canonical_name
+from training import recipe
+from training.config_loader import parse_args
+from training.data import build_dataloader, build_tokenizer
+
+
+def full_weights(modules, pp_mesh, drop: set[str]) -> dict[str, torch.Tensor]:
+    """Every parameter in full, from every pipeline stage, under its canonical name;
+    ``drop``: tied copies (the oracle's model lists one weight once)."""
+    mine = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            if canonical_name(name) not in drop:
+                mine[canonical_name(name)] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    if pp_mesh is None:
+        return mine
+    everyone = [None] * pp_mesh.size()
+    dist.all_gather_object(everyone, mine, group=pp_mesh.get_group())
+    return {k: v for d in everyone for k, v in d.items()}
+
+
+def run(argv: list[str]) -> dict:
+    cfg, _ = parse_args(argv)
+    t = cfg.training
+    torch.manual_seed(t.seed)
+    model = recipe.build_model(cfg, build_tokenizer(t.tokenizer).vocab_size)
+    layout = recipe.plan_layout(cfg, model)
+    mesh = layout.dims.build_mesh("cpu")
+    parts = recipe.build_parts(cfg, layout, mesh, model)
+    for part in parts.modules:
+        part.init_weights(seed=t.seed, device="cpu")
+    dp_rank, dp_size = mesh_coordinate(mesh, "dp")
+    data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size)
+    optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
+    step = recipe.build_step(cfg, layout, parts, optimizer, torch.device("cpu"))
+    result = {"losses": [], "grad_norms": []}
+    for n in range(1, t.steps + 1):
+        loss, norm = step(data.batch(n - 1), n)
+        scheduler.step()
+        result["losses"].append(loss)
+        result["grad_norms"].append(norm)
+    drop = {alias for names in model.tied_weights() for alias in names[1:]}
+    result["final"] = full_weights(parts.modules, submesh(mesh, "pp"), drop)
+    result["tp_sharded"] = sorted(canonical_name(n) for m in parts.modules for n, p in m.named_parameters()
+                                  if isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names)
+    return result
+
+
+if __name__ == "__main__":
+    out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    for name, argv in runs.items():
+        result = run(argv)
+        if dist.get_rank() == 0:
+            torch.save(result, out / f"{name}.pt")
+    shutdown_distributed()
