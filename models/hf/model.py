@@ -74,12 +74,15 @@ def build_hf(where: str, *, hf: dict | None = None, n_layers: int = 0, block_cla
     word, relative to the base model) replaces ``base_model_tp_plan``."""
     hf = hf if hf is not None else read_hf_config(where)
     cls = causal_lm_class(hf)
-    config = cls.config_class.from_dict({**hf, **({"num_hidden_layers": n_layers} if n_layers else {})})
-    config.use_cache = False
-    if getattr(config, "_attn_implementation", None) in (None, "flash_attention_2", "flash_attention_3"):
-        config._attn_implementation = "sdpa"  # no extra package; flash kernels through torch's SDPA
-    with torch.device("meta"):
-        model = cls(config)
+    try:  # transformers checks a config as it builds the model: a ValueError says what is wrong
+        config = cls.config_class.from_dict({**hf, **({"num_hidden_layers": n_layers} if n_layers else {})})
+        config.use_cache = False
+        if getattr(config, "_attn_implementation", None) in (None, "flash_attention_2", "flash_attention_3"):
+            config._attn_implementation = "sdpa"  # no extra package; flash kernels through torch's SDPA
+        with torch.device("meta"):
+            model = cls(config)
+    except ValueError as err:
+        raise HFModelError(f"transformers cannot build {cls.__name__} from it: {err}") from None
     model.__class__ = _meshtrain_class(cls)
     model._mt_setup(config, block_classes, tp_plan)
     return model
@@ -149,9 +152,6 @@ class HFModel:
             if not self._mt_tp_words:
                 return (f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan): "
                         "give [model] hf_tp_plan, or use tp = 1 (FSDP alone trains it)")
-            if self.cfg.tie_embeddings and self._mt_embed is None:
-                return (f"{name} ties its embedding and output layer, and without a base_model_pp_plan "
-                        "meshtrain cannot find the embedding to split it like the output; use tp = 1")
         if pp > 1:
             if self._mt_embed is None:
                 return (f"{name} has no base_model_pp_plan (embeddings / layers / norm), so meshtrain "
