@@ -3,13 +3,18 @@ tensor, read one rank's block of a tensor, and write tensors as (sharded) safete
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from parallel.init import canonical_name
 
 
 def tensor_files(hf_dir: Path) -> dict[str, Path]:
@@ -32,6 +37,42 @@ def tensor_files(hf_dir: Path) -> dict[str, Path]:
             "meshtrain reads safetensors only. Convert once where you trust the file: "
             "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) writes safetensors")
     raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
+
+
+@torch.no_grad()
+def fill_from_safetensors_(model: torch.nn.Module, hf_dir: Path, stored_name: Callable[[str, dict], str],
+                           read_block: Callable | None = None) -> None:
+    """Fill every parameter of ``model`` (plain, a pipeline stage, or sharded with any
+    placements) from the safetensors in ``hf_dir``. ``stored_name(our name, files)`` is
+    the tensor's name there; ``read_block(source, shape, offset, our name)`` reads this
+    rank's block of it (default: the block as stored). Each rank reads only its own block
+    of each tensor, so peak extra memory is about one local shard."""
+    files = tensor_files(hf_dir)
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, object] = {}  # safetensors maps each file; a slice reads only its bytes
+        for name, param in model.named_parameters():
+            name = canonical_name(name)
+            stored = stored_name(name, files)
+            if stored not in files:
+                raise ValueError(f"{stored} (the model's {name}) is missing from the weights in {hf_dir}")
+            if files[stored] not in opened:
+                opened[files[stored]] = stack.enter_context(safe_open(files[stored], framework="pt"))
+            source = opened[files[stored]].get_slice(stored)
+            if tuple(source.get_shape()) != tuple(param.shape):
+                raise ValueError(f"{stored} has shape {tuple(source.get_shape())} in the checkpoint, "
+                                 f"but the model's {name} is {tuple(param.shape)} (checkpoint: {hf_dir})")
+            local = param.to_local() if isinstance(param, DTensor) else param
+            shape, offset = tuple(param.shape), (0,) * param.dim()
+            if isinstance(param, DTensor):  # the block this rank owns, as in parallel.init
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                      param.placements)
+            if tuple(shape) != tuple(local.shape):
+                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the block "
+                                   f"{tuple(shape)} its placements describe")
+            if local.numel():  # else an FSDP rank past the end of a short dimension
+                block = (read_block(source, shape, offset, name) if read_block else
+                         source[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+                local.copy_(block)
 
 
 def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, *, expected: set[str],

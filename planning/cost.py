@@ -68,8 +68,6 @@ class ModelShape:
 
     @classmethod
     def from_flavor(cls, flavor: str, vocab_size: int | None = None, family: str = "llama") -> "ModelShape":
-        from torch import nn
-
         from models import registry
 
         # One block is enough to count a block; the layer count comes from the flavor.
@@ -86,7 +84,7 @@ class ModelShape:
 
         c = m.cfg
         block = next(iter(m.transformer_blocks().children()))
-        in_block = {id(p) for p in block.parameters()}
+        in_block = {id(p) for p in m.transformer_blocks().parameters()}  # every block's: m may have more than one
         embeddings = [mod.weight for mod in m.modules() if isinstance(mod, nn.Embedding)]
         outside = [p for p in m.parameters() if id(p) not in in_block and all(p is not e for e in embeddings)]
         count = lambda params, ndim: sum(p.numel() for p in params if p.ndim == ndim)

@@ -263,6 +263,6 @@ def test_mismatched_checkpoint_names_the_tensor(hf_dir, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight \(our layers\.1\."
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight \(the model's layers\.1\."
                                          r"feed_forward\.w3\.weight\) is missing"):
         load_hf_weights_(Llama.from_flavor("debug", meta=True, **TINY), tmp_path)

@@ -28,6 +28,8 @@ ARCHS = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=False),
     "olmo2": dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], tie_word_embeddings=False),
+    # Qwen3: per-head q/k norms, whole on every TP rank ("replicated_with_grad_allreduce").
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16, tie_word_embeddings=False),
     # GPT-2: Conv1D projections, no TP or pipeline plan, learned positions, tied embeddings.
     "gpt2": dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_layer=2, n_embd=64, n_head=4,
                  vocab_size=320, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -38,7 +40,8 @@ LAYOUTS = {
     "dp2_tp2": ["--parallelism.dp_shard=2", "--parallelism.tp=2"],
     "pp2_dp2": ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=1"],
 }
-RUNS = [(arch, layout) for arch in ARCHS for layout in LAYOUTS if arch != "gpt2" or layout == "fsdp4"]
+ONLY = {"gpt2": "fsdp4", "qwen3": "dp2_tp2"}
+RUNS = [(arch, layout) for arch in ARCHS for layout in LAYOUTS if ONLY.get(arch, layout) == layout]
 # The debug config's stdlib bytes, short runs; clipping at 0.1 binds every step.
 TRAIN = ["--training.steps=6", "--training.seq_len=32", "--training.global_batch_size=8",
          "--training.max_norm=0.1", "--optimizer.lr=3e-3"]
@@ -134,14 +137,13 @@ def test_conv1d_model_without_a_tp_plan_refuses_tp_and_says_fsdp_trains_it(tmp_p
 
 
 def test_tp_plan_styles_that_cannot_be_translated_are_named(tmp_path):
-    qwen3 = extra_config(tmp_path, "qwen3", **COMMON, model_type="qwen3", head_dim=16)
-    message = refusal(tmp_path, f"--model.hf_config={qwen3}")
-    assert "layers.*.self_attn.q_norm = 'replicated_with_grad_allreduce'" in message
-    assert "give [model] hf_tp_plan, or use tp = 1" in message
+    qwen3 = str(write_config(tmp_path / "qwen3", "qwen3"))
+    message = refusal(tmp_path, f"--model.hf_config={qwen3}", "--model.hf_tp_plan=layers.*.mlp.up_proj=sharded")
+    assert "'layers.*.mlp.up_proj=sharded' is not \"module.pattern=style\"" in message
 
 
 def test_a_tp_plan_from_the_toml_replaces_the_architectures(tmp_path):
-    qwen3 = extra_config(tmp_path, "qwen3", **COMMON, model_type="qwen3", head_dim=16)
+    qwen3 = str(write_config(tmp_path / "qwen3", "qwen3"))
     from training import recipe
     from training.config_loader import parse_args
 

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from models.common import fsdp_units, vocab_parallel_ends
 from models.hf.config import HFConfig, HFModelError, read_hf_config
@@ -40,6 +40,11 @@ STYLES = {
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # A module on each rank's own heads (Qwen3's, Gemma3's per-head q/k norms) whose weight
+    # is whole on every rank: its input is labelled as split (dim 2 of [batch, seq, heads,
+    # head_dim]; any dim but the normalized last one computes the same), so DTensor sums
+    # the weight's gradient over the TP ranks -- without, each rank's copy would drift.
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
 }
 
 

@@ -5,20 +5,16 @@ only the block this rank owns; export writes the full tensors with a config.json
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models.hf.config import HFConfig
-from models.safetensors_files import tensor_files, write_safetensors
-from parallel.init import canonical_name, materialize
+from models.safetensors_files import fill_from_safetensors_, write_safetensors
+from parallel.init import materialize
 
 # What must agree between the model and the folder beyond tensor shapes (checked one by one).
 _SAME = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -37,28 +33,10 @@ def load_hf_weights_(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     if differ:
         raise ValueError("the Hugging Face folder does not hold this model (model vs folder): " + "; ".join(differ))
     materialize(model)
-    files = tensor_files(hf_dir)
     aliases = {alias: names[0] for names in model.tied_weights() for alias in names[1:]}
-    with contextlib.ExitStack() as stack:
-        opened: dict[Path, object] = {}
-        for name, param in model.named_parameters():
-            name = canonical_name(name)
-            stored = name if name in files or name not in aliases else aliases[name]  # tied: stored once
-            if stored not in files:
-                raise ValueError(f"{name} is missing from the weights in {hf_dir}")
-            if files[stored] not in opened:
-                opened[files[stored]] = stack.enter_context(safe_open(files[stored], framework="pt"))
-            source = opened[files[stored]].get_slice(stored)
-            if tuple(source.get_shape()) != tuple(param.shape):
-                raise ValueError(f"{stored} has shape {tuple(source.get_shape())} in {hf_dir}, but the model's "
-                                 f"is {tuple(param.shape)}")
-            local = param.to_local() if isinstance(param, DTensor) else param
-            shape, offset = tuple(param.shape), (0,) * param.dim()
-            if isinstance(param, DTensor):  # the block this rank owns, as in parallel.init
-                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                      param.placements)
-            if local.numel():  # else an FSDP rank past the end of a short dimension
-                local.copy_(source[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+    # A tied copy is stored once, under the embedding's name.
+    fill_from_safetensors_(model, hf_dir, lambda name, files: aliases[name] if name not in files and name in aliases
+                           else name)
     model.init_buffers()
 
 

@@ -12,7 +12,6 @@ each tensor its placements own, widened to whole heads where the reordering need
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -20,12 +19,9 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models.llama.config import LlamaConfig
-from models.safetensors_files import tensor_files, write_safetensors
+from models.safetensors_files import fill_from_safetensors_, write_safetensors
 from parallel.init import canonical_name, materialize
 
 # Inside layers.N. (ours) / model.layers.N. (theirs).
@@ -188,33 +184,17 @@ def load_hf_weights_(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     cfg: LlamaConfig = model.cfg
     _check_same_model(cfg, hf_cfg)
     materialize(model)
-    files = tensor_files(hf_dir)
-    with contextlib.ExitStack() as stack:
-        opened: dict[Path, object] = {}  # safetensors maps each file; a slice reads only its bytes
-        for name, param in model.named_parameters():
-            name = canonical_name(name)
-            hf_name = to_hf_name(name)
-            if hf_name == "lm_head.weight" and hf_name not in files and hf_cfg.tie_embeddings:
-                hf_name = "model.embed_tokens.weight"  # tied: the file holds the embedding only
-            if hf_name not in files:
-                raise ValueError(f"{hf_name} (our {name}) is missing from the checkpoint in {hf_dir}")
-            if files[hf_name] not in opened:
-                opened[files[hf_name]] = stack.enter_context(safe_open(files[hf_name], framework="pt"))
-            source = opened[files[hf_name]].get_slice(hf_name)
-            if tuple(source.get_shape()) != tuple(param.shape):
-                raise ValueError(f"{hf_name} has shape {tuple(source.get_shape())} in the checkpoint, "
-                                 f"but the model's {name} is {tuple(param.shape)}")
-            local = param.to_local() if isinstance(param, DTensor) else param
-            shape, offset = tuple(param.shape), (0,) * param.dim()
-            if isinstance(param, DTensor):  # the block this rank owns, as in parallel.init
-                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                      param.placements)
-            if tuple(shape) != tuple(local.shape):
-                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the block "
-                                   f"{tuple(shape)} its placements describe")
-            if local.numel():  # else an FSDP rank past the end of a short dimension
-                rotary = rotary_heads(name, cfg) is not None
-                local.copy_(_read_block(source, shape, offset, rotary, cfg.head_dim))
+
+    def stored_name(name: str, files: dict) -> str:
+        hf_name = to_hf_name(name)
+        if hf_name == "lm_head.weight" and hf_name not in files and hf_cfg.tie_embeddings:
+            return "model.embed_tokens.weight"  # tied: the file holds the embedding only
+        return hf_name
+
+    def read_block(source, shape, offset, name):
+        return _read_block(source, shape, offset, rotary_heads(name, cfg) is not None, cfg.head_dim)
+
+    fill_from_safetensors_(model, hf_dir, stored_name, read_block)
     model.init_buffers()
 
 
