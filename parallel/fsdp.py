@@ -54,7 +54,7 @@ def resolve_strategy(strategy: str, mesh: DeviceMesh) -> str:
     if strategy != "auto":
         return strategy
     zero2 = submesh(mesh, "pp") is not None
-    if submesh(mesh, "dp_replicate") is not None and submesh(mesh, "dp_shard") is not None:
+    if submesh(mesh, "dp_replicate") is not None and submesh(mesh, "dp_shard_cp") is not None:
         return "HYBRID_SHARD_ZERO2" if zero2 else "HYBRID_SHARD"
     if submesh(mesh, "dp_replicate") is not None:
         return "NO_SHARD"
@@ -66,7 +66,8 @@ def fsdp_mesh(mesh: DeviceMesh, strategy: str) -> DeviceMesh | None:
     parallelism. A 2-D mesh means HSDP: replicate over dim 0, shard over dim 1."""
     if strategy not in STRATEGIES:
         raise LayoutError(f"unknown sharding_strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
-    replicate, shard = submesh(mesh, "dp_replicate"), submesh(mesh, "dp_shard")
+    # Context-parallel ranks hold the same weights: FSDP shards over dp_shard x cp.
+    replicate, shard = submesh(mesh, "dp_replicate"), submesh(mesh, "dp_shard_cp")
     if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         if replicate is not None:
             raise LayoutError(
@@ -81,8 +82,8 @@ def fsdp_mesh(mesh: DeviceMesh, strategy: str) -> DeviceMesh | None:
                 f"be > 1 (got dp_replicate={replicate.size() if replicate else 1}, "
                 f"dp_shard={shard.size() if shard else 1}); use FULL_SHARD or NO_SHARD instead"
             )
-        return mesh["dp_replicate", "dp_shard"]
-    dp = submesh(mesh, "dp")
+        return mesh["dp_replicate", shard.mesh_dim_names[0]]
+    dp = submesh(mesh, "dp_cp")
     if dp is None:
         return None
     # NO_SHARD: every data-parallel rank is a replica = HSDP with a shard group of one.
@@ -104,19 +105,21 @@ class _Degrees:
     """Just enough of a DeviceMesh for the rules above: dimension names and sizes, with
     degree-1 dimensions left out as ParallelDims.build_mesh leaves them out."""
 
-    def __init__(self, sizes: dict[str, int]):
+    def __init__(self, sizes: dict[str, int], flattened: dict[str, int] | None = None):
         self.sizes = {name: size for name, size in sizes.items() if size > 1}
         self.mesh_dim_names = tuple(self.sizes)
+        self.flattened = {} if flattened is None else flattened  # shared, as a mesh's are
 
     def __getitem__(self, names):
         names = (names,) if isinstance(names, str) else names
-        return _Degrees({n: self.sizes[n] for n in names})
+        return _Degrees({n: self.sizes[n] if n in self.sizes else self.flattened[n] for n in names}, self.flattened)
 
     def size(self) -> int:
         return math.prod(self.sizes.values())
 
     def _flatten(self, name=None):
-        return _Degrees({name or "flat": self.size()})
+        self.flattened[name or "flat"] = self.size()
+        return _Degrees({name or "flat": self.size()}, self.flattened)
 
     def _unflatten(self, dim, shape, names):
         return _Degrees(dict(zip(names, shape)))

@@ -1,4 +1,4 @@
-"""One DeviceMesh for every parallelism: pp x dp_replicate x dp_shard x tp.
+"""One DeviceMesh for every parallelism: pp x dp_replicate x dp_shard x cp x tp.
 
 The order matters. Ranks are numbered so that the *last* mesh dimension varies
 fastest, so with tp last, a TP group is `tp` consecutive ranks. torchrun numbers
@@ -13,6 +13,11 @@ Example, 16 ranks = 2 nodes x 8 GPUs, ParallelDims(dp_replicate=2, dp_shard=2, t
     tp groups:       [0 1 2 3] [4 5 6 7] [8 9 10 11] [12 13 14 15]
     dp_shard groups: [0 4] [1 5] [2 6] [3 7] [8 12] ...   (inside a node here)
     dp_replicate:    [0 8] [1 9] ...                      (across nodes)
+
+Context parallelism (cp) sits next to tp: its ranks hold the same weights and split the
+sequence, and its all-to-alls (two per attention layer) want the fast links too. FSDP
+shards over dp_shard x cp (one flattened dimension): the cp ranks' gradients are summed
+like any data-parallel ranks', while the batch is split over dp_replicate x dp_shard only.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Sub-meshes made of several dimensions: "dp" (the batch is split over it), "dp_shard_cp"
+# (FSDP shards over it), "dp_cp" (every rank holding the same weights under NO_SHARD).
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
 class LayoutError(ValueError):
@@ -41,6 +50,7 @@ class ParallelDims:
     dp_replicate: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     world_size: int | None = None  # default: the launched world (WORLD_SIZE)
 
     def __post_init__(self):
@@ -57,19 +67,21 @@ class ParallelDims:
         if problems:
             raise LayoutError("invalid parallel degrees: " + "; ".join(problems))
 
-        others = self.pp * self.dp_replicate * self.tp
+        others = self.pp * self.dp_replicate * self.cp * self.tp
+        cp = f"*{self.cp}" if self.cp > 1 else ""
+        cp_name = "*cp" if self.cp > 1 else ""
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise LayoutError(
                     f"cannot infer dp_shard: world size {self.world_size} is not divisible by "
-                    f"pp*dp_replicate*tp = {self.pp}*{self.dp_replicate}*{self.tp} = {others}"
+                    f"pp*dp_replicate{cp_name}*tp = {self.pp}*{self.dp_replicate}{cp}*{self.tp} = {others}"
                 )
             self.dp_shard = self.world_size // others
         product = others * self.dp_shard
         if product != self.world_size:
             raise LayoutError(
-                f"parallel degrees do not multiply to the world size: pp*dp_replicate*dp_shard*tp = "
-                f"{self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.tp} = {product}, "
+                f"parallel degrees do not multiply to the world size: pp*dp_replicate*dp_shard{cp_name}*tp = "
+                f"{self.pp}*{self.dp_replicate}*{self.dp_shard}{cp}*{self.tp} = {product}, "
                 f"but the world size is {self.world_size}"
             )
 
@@ -106,8 +118,8 @@ class ParallelDims:
         names = tuple(n for n in DIM_NAMES if getattr(self, n) > 1) or ("dp_shard",)
         shape = tuple(getattr(self, n) for n in names)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        for name in FLATTENED:  # made now, on every rank together (each is a new process group)
+            submesh(mesh, name)
         return mesh
 
 
@@ -130,20 +142,26 @@ def check_tp_fits(tp: int, divisible: dict[str, int], *, seq_len: int | None = N
 
 
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
-    """The 1-D sub-mesh ``name`` ("pp", "dp_replicate", "dp_shard", "tp" or "dp"),
-    or None where that degree is 1."""
+    """The 1-D sub-mesh ``name`` ("pp", "dp_replicate", "dp_shard", "cp", "tp", or one of
+    FLATTENED: "dp", "dp_shard_cp", "dp_cp"), or None where that degree is 1."""
     names = mesh.mesh_dim_names or ()
-    if name == "dp":
-        present = [n for n in ("dp_replicate", "dp_shard") if n in names and mesh[n].size() > 1]
-        if len(present) == 2:
-            # Cached by torch after the first call (build_mesh makes it eagerly).
-            return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if name in FLATTENED:
+        present = [n for n in FLATTENED[name] if n in names and mesh[n].size() > 1]
+        if len(present) >= 2:
+            # Cached by torch after the first call (build_mesh makes them eagerly). The same
+            # dimensions always get the same name ("dp", else joined), so none is made twice.
+            return mesh[tuple(present)]._flatten(flat_name(present))
         return mesh[present[0]] if present else None
     if name not in DIM_NAMES:
-        raise ValueError(f"unknown mesh dimension {name!r}; accepted: {', '.join(DIM_NAMES + ('dp',))}")
+        raise ValueError(f"unknown mesh dimension {name!r}; accepted: {', '.join(DIM_NAMES + tuple(FLATTENED))}")
     if name in names and mesh[name].size() > 1:
         return mesh[name]
     return None
+
+
+def flat_name(dims: list[str]) -> str:
+    """The name of the flattened dimension over ``dims`` (as submesh makes it)."""
+    return "dp" if tuple(dims) == FLATTENED["dp"] else "_".join(dims)
 
 
 def with_one_rank_dp(mesh: DeviceMesh) -> DeviceMesh:

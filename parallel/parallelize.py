@@ -12,6 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from parallel.activation_checkpoint import apply_ac, apply_compile
 from parallel.async_tp import async_tp_unavailable, enable_async_tp
+from parallel.context_parallel import apply_cp
 from parallel.fsdp import apply_fsdp, fsdp_mesh, resolve_strategy
 from parallel.mesh import check_tp_fits, submesh, with_one_rank_dp
 from parallel.tensor_parallel import apply_tp
@@ -62,7 +63,7 @@ def parallelize(
     ``async_tp`` overlaps TP collectives with matmuls inside the compiled blocks (CUDA,
     ``compile=True`` and a tp dimension; see parallel/async_tp.py).
     """
-    if (mixed_precision is not None or cpu_offload) and submesh(mesh, "dp") is None:
+    if (mixed_precision is not None or cpu_offload) and submesh(mesh, "dp_cp") is None:
         # No data parallelism (one process, or TP / PP alone): FSDP over a data-parallel
         # dimension of one rank communicates nothing, but it is what keeps fp32 master
         # weights while computing in bf16 (or offloads to the CPU).
@@ -80,6 +81,8 @@ def parallelize(
         apply_tp(model, tp_mesh, plan)
         if async_tp:
             enable_async_tp(tp_mesh)
+    if submesh(mesh, "cp") is not None:  # attention exchanges heads for sequence over cp
+        apply_cp(model, submesh(mesh, "cp"))
 
     if fsdp_units is None and (block_classes is not None or min_num_params is not None):
         # Found before activation checkpointing and compile wrap the blocks (the wrappers

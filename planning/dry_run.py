@@ -41,6 +41,7 @@ _COLLECTIVES = {  # op name -> (kind, which tensor's size is the payload)
     "reduce_scatter_tensor": ("reduce-scatter", "in"), "reduce_scatter_tensor_coalesced_": ("reduce-scatter", "in"),
     "allreduce_": ("all-reduce", "in"), "all_reduce": ("all-reduce", "in"),
     "broadcast_": ("broadcast", "in"), "send": ("send/recv", "in"), "recv_": ("send/recv", "in"),
+    "alltoall_base_": ("all-to-all", "in"), "all_to_all_single": ("all-to-all", "in"),
 }
 
 
@@ -48,11 +49,11 @@ _COLLECTIVES = {  # op name -> (kind, which tensor's size is the payload)
 class CommStats:
     """Collectives by (mesh dimension, kind): count, payload bytes, and the bytes one rank
     sends with ring algorithms: all-gather / reduce-scatter (n-1)/n of the full tensor,
-    all-reduce twice that."""
+    all-reduce twice that; an all-to-all keeps 1/n of its input and sends the rest."""
     rows: dict = field(default_factory=dict)
 
     def add(self, dim: str, kind: str, payload: int, n: int, times: float = 1) -> None:
-        factor = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
+        factor = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n,
                   "all-reduce": 2 * (n - 1) / n}.get(kind, 1.0)
         count, total, sent = self.rows.get((dim, kind), (0, 0, 0.0))
         self.rows[(dim, kind)] = (count + times, total + payload * times, sent + payload * factor * times)
@@ -193,9 +194,15 @@ def in_flight(schedule: str, n_micro: int, stage: int, n_stages: int) -> int:
     return n_micro if schedule in ("GPipe", "LoopedBFS") else min(n_micro, n_stages - stage)
 
 
+def rank_seq(cfg, layout) -> int:
+    """Tokens of each sequence this rank holds: its piece under context parallelism."""
+    return cfg.training.seq_len // layout.dims.cp
+
+
 def activation_seq(cfg, layout) -> int:
-    """Sequence length of the activations between blocks: divided by tp under sequence parallel."""
-    tp, seq = layout.dims.tp, cfg.training.seq_len
+    """Sequence length of the activations between blocks: this rank's piece of the
+    sequence (`rank_seq`), divided by tp under sequence parallel."""
+    tp, seq = layout.dims.tp, rank_seq(cfg, layout)
     return seq // tp if (tp > 1 and cfg.parallelism.sequence_parallel) else seq
 
 
@@ -213,7 +220,7 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker) -
 
     if layout.stage_layers is None:
         comm.scale = lambda dim, kind: accum
-        tokens = torch.randint(0, model_cfg.vocab_size, (local, t.seq_len))
+        tokens = torch.randint(0, model_cfg.vocab_size, (local, rank_seq(cfg, layout)))
         with loss_parallel_context(loss_parallel):
             cross_entropy(parts[0][1](tokens), tokens).backward()
         traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
@@ -277,10 +284,11 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel)
                 # takes it for the next step); forgetting the stage's root is enough, and
                 # keeps what the pending backwards of other micro-batches look up.
                 tracker.memory_tracking.pop(part, None)
-                x = (torch.randint(0, model_cfg.vocab_size, (mb, t.seq_len)) if a.stage == 0 else
+                x = (torch.randint(0, model_cfg.vocab_size, (mb, rank_seq(cfg, layout))) if a.stage == 0 else
                      torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
                 out = part(x)
-                pending[a.stage, a.microbatch] = (cross_entropy(out, torch.zeros(mb, t.seq_len, dtype=torch.long))
+                labels = torch.zeros(mb, rank_seq(cfg, layout), dtype=torch.long)
+                pending[a.stage, a.microbatch] = (cross_entropy(out, labels)
                                                   if a.stage == n_stages - 1 else out)
                 continue
             out = pending.pop((a.stage, a.microbatch))

@@ -139,6 +139,9 @@ class ParallelismSection:
                   aliases=("tensor_parallel", "tensor_parallel_degree", "tp_degree"))
     pp: int = opt(1, "pipeline-parallel stages", min=1,
                   aliases=("pipeline_parallel", "pipeline_parallel_degree", "pp_degree"))
+    cp: int = opt(1, "context-parallel degree: ranks that split every sequence (Ulysses attention: two "
+                  "all-to-alls per layer trade the sequence split for a head split); keep it within a node",
+                  min=1, aliases=("context_parallel", "context_parallel_degree", "cp_degree"))
     pp_schedule: str = opt("1F1B", "pipeline schedule (torch.distributed.pipelining)", choices=PP_SCHEDULES,
                            aliases=("pipeline_parallel_schedule",))
     pp_microbatches: int = opt(0, "micro-batches the schedule cuts each local batch into; "

@@ -25,6 +25,7 @@ from torch import nn
 from models import registry
 from parallel import LayoutError, ParallelDims, mixed_precision_policy, parallelize, submesh
 from parallel.async_tp import async_tp_unavailable
+from parallel.context_parallel import check_cp_fits
 from parallel.float8 import apply_float8, float8_unavailable
 from parallel.fsdp import check_strategy
 from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
@@ -116,7 +117,7 @@ class RunLayout:
 
 def _launch_hint(p) -> str:
     """The next step after a world that does not fit the [parallelism] degrees."""
-    fixed = p.pp * p.dp_replicate * p.tp
+    fixed = p.pp * p.dp_replicate * p.cp * p.tp
     n = fixed * (p.dp_shard if p.dp_shard > 0 else 1)
     many = "" if p.dp_shard > 0 else " (or a multiple: dp_shard = -1 takes the rest)"
     return (f"These degrees need {n} processes{many}: launch `torchrun --nproc-per-node {n} train.py ...`, "
@@ -132,7 +133,7 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
     ``gpus_per_node``: warn when TP would leave a node (default: torchrun's local world on CUDA)."""
     t, p = cfg.training, cfg.parallelism
     try:
-        dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp,
+        dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp,
                             world_size=world_size)
     except LayoutError as err:
         raise LayoutError(f"{err}. {_launch_hint(p)}") from None
@@ -140,6 +141,8 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
     dims.check_model(model.tp_divisible(), seq_len=t.seq_len, sequence_parallel=p.sequence_parallel,
                      gpus_per_node=gpus_per_node)
+    if dims.cp > 1:
+        _check_cp(dims, model, t.seq_len, p.sequence_parallel)
     refusal = model.layout_refusal(tp=dims.tp, pp=dims.pp) if hasattr(model, "layout_refusal") else None
     if refusal:
         raise LayoutError(f"[parallelism] tp = {dims.tp}, pp = {dims.pp}: {refusal}")
@@ -174,6 +177,18 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
     layout.schedule, layout.n_microbatches, layout.stages_per_rank = p.pp_schedule, micro, per_rank
     layout.placement = SCHEDULES[p.pp_schedule][1]
     return layout
+
+
+def _check_cp(dims: ParallelDims, model: nn.Module, seq_len: int, sequence_parallel: bool) -> None:
+    """[parallelism] cp against the model and the sequence, before any process group."""
+    if not any(hasattr(m, "context_parallel") for m in model.modules()):
+        raise LayoutError(f"[parallelism] cp = {dims.cp}: {type(model).__name__}'s attention cannot split the "
+                          "sequence (no module has a context_parallel attribute; see parallel/context_parallel.py); "
+                          "use cp = 1")
+    problems = check_cp_fits(dims.cp, dims.tp, heads=model.cfg.n_heads, seq_len=seq_len,
+                             sequence_parallel=sequence_parallel)
+    if problems:
+        raise LayoutError(f"[parallelism] cp = {dims.cp}: " + "; ".join(problems))
 
 
 def _check_inputs(cfg: JobConfig) -> None:
@@ -266,7 +281,7 @@ def build_step(cfg: JobConfig, layout: RunLayout, run: Parts, optimizer: Optimiz
     (its copies start equal: init draws each under its source's name) gets its copies'
     gradients summed every step."""
     mesh, t = run.mesh, cfg.training
-    pp_mesh, dp_mesh = submesh(mesh, "pp"), submesh(mesh, "dp")
+    pp_mesh, dp_mesh, cp_mesh = submesh(mesh, "pp"), submesh(mesh, "dp"), submesh(mesh, "cp")
     loss_parallel = submesh(mesh, "tp") is not None and cfg.parallelism.loss_parallel
     compile_loss(cfg.compile.loss)  # process-wide: every step's cross-entropy
     if not layout.pipelined:
@@ -274,7 +289,7 @@ def build_step(cfg: JobConfig, layout: RunLayout, run: Parts, optimizer: Optimiz
 
         def step(micro_batches, number):
             return train_step(model, optimizer, micro_batches, max_norm=t.max_norm, loss_parallel=loss_parallel,
-                              dp_mesh=dp_mesh, device=device, step=number, skip_nonfinite=True)
+                              dp_mesh=dp_mesh, cp_mesh=cp_mesh, device=device, step=number, skip_nonfinite=True)
         return step
 
     # A weight tied across stages (GPT-2's embedding and output) has a copy at each end.
@@ -288,7 +303,8 @@ def build_step(cfg: JobConfig, layout: RunLayout, run: Parts, optimizer: Optimiz
     def step(micro_batches, number):
         return pipeline_train_step(schedule, run.modules, optimizer, micro_batches, first=first, last=last,
                                    max_norm=t.max_norm, loss_parallel=loss_parallel, dp_mesh=dp_mesh,
-                                   pp_mesh=pp_mesh, device=device, step=number, skip_nonfinite=True, tied=tied)
+                                   pp_mesh=pp_mesh, cp_mesh=cp_mesh, device=device, step=number,
+                                   skip_nonfinite=True, tied=tied)
     return step
 
 

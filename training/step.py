@@ -3,7 +3,9 @@
 The loss is the mean cross-entropy over every token of the global batch. Each
 data-parallel rank averages over its own tokens and divides by the number of
 micro-batches; FSDP then averages gradients over the data-parallel ranks. Every rank
-sees the same number of tokens, so this equals the single-process mean exactly.
+sees the same number of tokens, so this equals the single-process mean exactly. Under
+context parallelism each cp rank takes its own piece of every sequence (inputs and
+labels alike) and FSDP averages over the cp ranks too: the same mean, again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from parallel import clip_grad_norm_, loss_parallel_context
+from parallel.context_parallel import SequenceSplit, split_sequence
 from training.faults import step_phase
 
 
@@ -60,33 +63,36 @@ def cross_entropy(output, labels: torch.Tensor) -> torch.Tensor:
 
 def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                loss_parallel: bool = False, dp_mesh: DeviceMesh | None = None,
-               device: torch.device | None = None, step: int = 0,
+               cp_mesh: DeviceMesh | None = None, device: torch.device | None = None, step: int = 0,
                skip_nonfinite: bool = False) -> tuple[float, float]:
     """Returns (loss averaged over the global batch, global gradient norm before clipping).
     ``model(inputs)`` may return the logits, a dict with "logits" or an object with
     ``.logits`` (a Hugging Face model as it is).
     ``loss_parallel``: the logits are vocab-sharded DTensors (TP with loss_parallel).
+    ``cp_mesh``: context parallelism; the micro-batches are whole sequences, each rank
+    keeps its piece.
     ``skip_nonfinite``: when the gradient norm is inf/NaN, leave the weights alone (the
     norm is the same on every rank, so every rank skips)."""
     device = device or _device_of(model)  # where the parameters (or their local shards) live
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
+    split = SequenceSplit(cp_mesh) if cp_mesh is not None else None
     with step_phase(step, "forward/backward"):
         for inputs, labels in micro_batches:
-            inputs, labels = inputs.to(device), labels.to(device)
+            inputs, labels = split_sequence(inputs, split).to(device), split_sequence(labels, split).to(device)
             with loss_parallel_context(loss_parallel):
                 loss = cross_entropy(model(inputs), labels) / len(micro_batches)
                 loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     return _finish_step(list(model.parameters()), optimizer, total, max_norm, dp_mesh, None, step,
-                        skip_nonfinite)
+                        skip_nonfinite, cp_mesh=cp_mesh)
 
 
 def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, first: bool, last: bool,
                         max_norm: float = 0.0, loss_parallel: bool = False,
                         dp_mesh: DeviceMesh | None = None, pp_mesh: DeviceMesh | None = None,
-                        device: torch.device | None = None, step: int = 0,
-                        skip_nonfinite: bool = False, tied=None) -> tuple[float, float]:
+                        cp_mesh: DeviceMesh | None = None, device: torch.device | None = None,
+                        step: int = 0, skip_nonfinite: bool = False, tied=None) -> tuple[float, float]:
     """`train_step` for a pipeline: the schedule runs this rank's stages (``model_parts``)
     over each micro-batch, cut again into the schedule's own micro-batches. ``first`` /
     ``last``: this rank holds the first / last stage (feeds tokens / computes the loss).
@@ -98,10 +104,11 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
     device = device or _device_of(model_parts[0])
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
+    split = SequenceSplit(cp_mesh) if cp_mesh is not None else None  # stages pass on seq / cp tokens
     with step_phase(step, "pipeline forward/backward"):
         for inputs, labels in micro_batches:
-            args = (inputs.to(device),) if first else ()
-            target = labels.to(device) if last else None
+            args = (split_sequence(inputs, split).to(device),) if first else ()
+            target = split_sequence(labels, split).to(device) if last else None
             losses: list[torch.Tensor] = []  # step() empties the list it is given
             with loss_parallel_context(loss_parallel):
                 schedule.step(*args, target=target, losses=losses if last else None, return_outputs=False)
@@ -112,10 +119,11 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
             tied.sum_gradients()
     params = [p for part in model_parts for p in part.parameters()]
     return _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite,
-                        not_in_norm=tied.duplicates if tied is not None else ())
+                        not_in_norm=tied.duplicates if tied is not None else (), cp_mesh=cp_mesh)
 
 
-def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite, not_in_norm=()):
+def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite, not_in_norm=(),
+                 cp_mesh=None):
     """Clip, update (unless skipping a non-finite step), and share the loss for reporting."""
     with step_phase(step, "gradient clipping"):
         grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh, not_in_norm=not_in_norm)
@@ -129,8 +137,9 @@ def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, ski
         # loss exists on the last stage; the sum over pp shares it with every rank.
         if pp_mesh is not None:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
-        if dp_mesh is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_mesh.get_group())
+        for mesh in (dp_mesh, cp_mesh):  # each rank's mean over its own tokens; all hold as many
+            if mesh is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
     return total.item(), grad_norm.item()
 
 

@@ -30,11 +30,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.dim)
         self.wv = nn.Linear(cfg.dim, cfg.dim)
         self.wo = nn.Linear(cfg.dim, cfg.dim)
+        self.context_parallel = None  # set by parallel.context_parallel.apply_cp
 
     def forward(self, x):
-        q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+        q, k, v = (rearrange(w(x), "b s (h d) -> b s h d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if self.context_parallel is not None:  # this rank's tokens of all heads -> all tokens of some
+            q, k, v = self.context_parallel.heads_for_sequence(q, k, v)
+        q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+        out = rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h s d -> b s h d")
+        if self.context_parallel is not None:
+            out = self.context_parallel.sequence_for_heads(out)
+        return self.wo(rearrange(out, "b s h d -> b s (h d)"))
 
 
 class MLP(nn.Module):
@@ -79,6 +85,7 @@ class GPT2(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+        self.context_parallel = None  # set by apply_cp: positions then start at this rank's offset
 
     @classmethod
     def from_flavor(cls, flavor: str, *, meta: bool = False, **overrides) -> "GPT2":
@@ -86,11 +93,13 @@ class GPT2(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.wte is not None:
-            if tokens.shape[1] > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {tokens.shape[1]} tokens, but the position embedding "
+            # Under context parallelism the tokens are this rank's piece of each sequence.
+            start = self.context_parallel.offset(tokens.shape[1]) if self.context_parallel is not None else 0
+            if start + tokens.shape[1] > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {start + tokens.shape[1]} tokens, but the position embedding "
                                  f"has {self.cfg.max_seq_len} rows (max_seq_len)")
             # [1, s]: the position lookup's output is [1, s, dim], sharded like the tokens'.
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
             h = self.wte(tokens) + self.wpe(positions)
         else:
             h = tokens

@@ -53,20 +53,27 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.context_parallel = None  # set by parallel.context_parallel.apply_cp
 
     def forward(self, x, cos, sin):
         # Under TP these projections hold only this rank's heads; "(h d)" with d fixed
         # recovers the local head count, so no TP-specific code is needed here.
-        # cos/sin come for every position up to max_seq_len: only here, after sequence
-        # parallel has gathered the sequence, is its full length known on every stage.
-        cos, sin = cos[: x.shape[1]], sin[: x.shape[1]]
         q = rearrange(self.wq(x), "b s (h d) -> b s h d", d=self.head_dim)
         k = rearrange(self.wk(x), "b s (h d) -> b s h d", d=self.head_dim)
-        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
+        v = rearrange(self.wv(x), "b s (h d) -> b s h d", d=self.head_dim)
+        if self.context_parallel is not None:  # this rank's tokens of all heads -> all tokens of some
+            q, k, v = self.context_parallel.heads_for_sequence(q, k, v)
+        # cos/sin come for every position up to max_seq_len: only here, after sequence
+        # parallel and context parallel have gathered the sequence, is its length known.
+        cos, sin = cos[: q.shape[1]], sin[: q.shape[1]]
         q = rearrange(apply_rope(q, cos, sin), "b s h d -> b h s d")
         k = rearrange(apply_rope(k, cos, sin), "b s h d -> b h s d")
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+        out = F.scaled_dot_product_attention(q, k, rearrange(v, "b s h d -> b h s d"), is_causal=True,
+                                             enable_gqa=True)
+        out = rearrange(out, "b h s d -> b s h d")
+        if self.context_parallel is not None:
+            out = self.context_parallel.sequence_for_heads(out)
+        return self.wo(rearrange(out, "b s h d -> b s (h d)"))
 
 
 class FeedForward(nn.Module):
