@@ -65,6 +65,7 @@ class ModelShape:
     tp_divisible: dict = field(default_factory=dict, compare=False)
     family: str = "llama"
     max_positions: int = 0   # rows of a learned position table (0: positions are computed)
+    head_dim: int = 0        # 0: dim / n_heads
 
     @classmethod
     def from_flavor(cls, flavor: str, vocab_size: int | None = None, family: str = "llama") -> "ModelShape":
@@ -96,7 +97,8 @@ class ModelShape:
                    head_split=count(outside, 2) or (embeddings[0].numel() if c.tie_embeddings else 0),
                    head_replicated=count(outside, 1), tied=c.tie_embeddings,
                    tp_divisible=m.tp_divisible(), family=family,
-                   max_positions=c.max_seq_len if learned_positions else 0)
+                   max_positions=c.max_seq_len if learned_positions else 0,
+                   head_dim=getattr(c, "head_dim", 0) or 0)
 
     @property
     def layer_params(self) -> int:
@@ -134,10 +136,16 @@ class Layout:
     pp_schedule: str = "1F1B"   # only meaningful with pp > 1
     pp_microbatches: int = 1    # m: micro-batches per step through the pipeline
     stages_per_rank: int = 1    # v
+    cp: int = 1                 # context parallel: each rank holds seq / cp tokens of a sequence
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards over: dp_shard x cp (cp ranks hold the same weights)."""
+        return self.dp_shard * self.cp
 
     def local_batch(self, job: Job) -> int:
         """Sequences per data-parallel rank per step."""
@@ -275,11 +283,13 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: Layout) -> float:
 
 def memory_per_gpu(job: Job, lay: Layout) -> Memory:
     """Peak bytes per GPU on the worst pipeline rank (the one with the largest total)."""
-    m, s, b, t = job.model, job.seq_len, lay.micro_batch, lay.tp
+    # Under context parallelism every activation holds this rank's seq / cp tokens (the
+    # all-to-alls trade tokens for heads: q, k, v keep their bytes).
+    m, s, b, t = job.model, job.seq_len // lay.cp, lay.micro_batch, lay.tp
     full, kept = layer_activation_bytes(m, s, b, t), block_input_bytes(m, s, b, t)
     worst = None
     for r, share in enumerate(rank_shares(job, lay)):
-        mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(m, share, t), lay.dp_shard))
+        mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(m, share, t), lay.fsdp_shard))
         ckpt = checkpointed_blocks(share, lay.ac) / share.layers
         # Saved for backward by the micro-batches in flight: a checkpointed block keeps only
         # its input. Plus the working set of one block's backward: its gradients (and, when
@@ -339,22 +349,26 @@ class Estimate:
 def estimate(job: Job, lay: Layout) -> Estimate:
     from training.metrics import flops_per_token  # the FLOPs train.py reports MFU with
 
-    m, gpu, s, b, t = job.model, job.gpu, job.seq_len, lay.micro_batch, lay.tp
+    m, gpu, s, b, t, cp = job.model, job.gpu, job.seq_len, lay.micro_batch, lay.tp, lay.cp
     g, n_mb = job.gpus_per_node, lay.micro_batches(job)
     shares = rank_shares(job, lay)
-    act = BF16 * s * b * m.dim               # one micro-batch's hidden states, whole sequence
-    bw_dp = gpu.inter_node_bw if spans_nodes(t, lay.dp_shard, g) else gpu.intra_node_bw
-    bw_rep = gpu.inter_node_bw if spans_nodes(t * lay.dp_shard, lay.dp_replicate, g) else gpu.intra_node_bw
-    bw_pp = gpu.inter_node_bw if spans_nodes(t * lay.dp, lay.pp, g) else gpu.intra_node_bw
+    act = BF16 * s // cp * b * m.dim         # one micro-batch's hidden states, this rank's tokens
+    # The mesh is pp x dp_replicate x dp_shard x cp x tp: cp groups stride tp, FSDP's
+    # (dp_shard x cp) too, replicas tp x dp_shard x cp.
+    bw_dp = gpu.inter_node_bw if spans_nodes(t, lay.fsdp_shard, g) else gpu.intra_node_bw
+    bw_rep = gpu.inter_node_bw if spans_nodes(t * lay.fsdp_shard, lay.dp_replicate, g) else gpu.intra_node_bw
+    bw_pp = gpu.inter_node_bw if spans_nodes(t * lay.dp * cp, lay.pp, g) else gpu.intra_node_bw
+    bw_cp = gpu.inter_node_bw if spans_nodes(t, cp, g) else gpu.intra_node_bw
 
-    per_mb, tp_bytes, pp_bytes, fsdp = [], [], [], []
+    per_mb, tp_bytes, pp_bytes, cp_bytes, fsdp = [], [], [], [], []
     for share in shares:
         ckpt = checkpointed_blocks(share, lay.ac)
-        # FLOPs per token (6 per weight, 12·h·s per layer for attention), with the forward of
-        # checkpointed blocks run twice: +1/3 of their share.
+        # FLOPs per token (6 per weight, 12·h·s per layer for attention: each token attends
+        # over the whole sequence, whatever cp), with the forward of checkpointed blocks run
+        # twice: +1/3 of their share. This rank runs s / cp tokens of each sequence.
         layer_flops = share.layers * 6 * m.layer_params + 12 * share.layers * m.dim * s
         head_flops = 6 * (m.head_split + m.head_replicated) if share.last else 0
-        hw_flops = (layer_flops * (1 + ckpt / share.layers / 3) + head_flops) * s * b / t
+        hw_flops = (layer_flops * (1 + ckpt / share.layers / 3) + head_flops) * s / cp * b / t
         compute = hw_flops / gpu.achievable_flops
         # TP with SP, per block: 2 all-gathers + 2 reduce-scatters of the activation forward,
         # the same in backward, and again forward for recomputed blocks; embedding and output
@@ -365,23 +379,28 @@ def estimate(job: Job, lay: Layout) -> Estimate:
         # gradient back.
         sends = 2 * len(share.stage_layers) - share.first - share.last if lay.pp > 1 else 0
         pp_b = sends * act / t
-        per_mb.append((compute, tp_b / gpu.intra_node_bw, pp_b / bw_pp))
+        # CP: per block the four all-to-alls (q, k, v, out) run in forward, in backward, and
+        # again for a recomputed block; each sends (cp-1)/cp of this rank's piece. They sit
+        # between the projections and attention: on the critical path.
+        cp_b = (2 * share.layers + ckpt) * cp_exchange_bytes(m, s, b, t, cp) * (cp - 1) / cp
+        per_mb.append((compute, tp_b / gpu.intra_node_bw, pp_b / bw_pp, cp_b / bw_cp))
         tp_bytes.append(tp_b * n_mb)
         pp_bytes.append(pp_b * n_mb)
+        cp_bytes.append(cp_b * n_mb)
         local = rank_local_params(m, share, t)
         fsdp.append((local, largest_unit(m, share, t)))
 
     # The slowest pipeline rank sets the pace of every micro-batch.
     worst = max(range(len(shares)), key=lambda r: sum(per_mb[r]))
-    compute, tp_time, pp_time = (x * n_mb for x in per_mb[worst])
-    busy = compute + tp_time + pp_time
+    compute, tp_time, pp_time, cp_time = (x * n_mb for x in per_mb[worst])
+    busy = compute + tp_time + pp_time + cp_time
     # Bubble: fill and drain take (pp - 1) micro-batch slots, v times shorter when interleaved.
     bubble = busy * (lay.pp - 1) / lay.stages_per_rank / n_mb if lay.pp > 1 else 0.0
 
     # FSDP on the rank with the most parameters. Ring collectives: each GPU sends (n-1)/n of
     # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
     local, unit = max(fsdp)
-    ds, dr = lay.dp_shard, lay.dp_replicate
+    ds, dr = lay.fsdp_shard, lay.dp_replicate
     n_ag, n_rs = fsdp_rounds(lay, job)
     ag = BF16 * local * (ds - 1) / ds
     rs = FP32 * local * (ds - 1) / ds
@@ -407,6 +426,19 @@ def estimate(job: Job, lay: Layout) -> Estimate:
         layout=lay, memory=memory_per_gpu(job, lay), step_time=step, tokens_per_s_per_gpu=tps,
         mfu=tps * model_flops / gpu.peak_bf16_flops,
         comm_bytes={"dp_shard": n_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
-                    "tp": max(tp_bytes), "pp": max(pp_bytes)},
-        times={"compute": compute, "tp": tp_time, "pp": pp_time, "bubble": bubble,
-               "fsdp": exposed, "optimizer": optimizer}, fsdp_comm_time=fsdp_time)
+                    "tp": max(tp_bytes), "pp": max(pp_bytes), **({"cp": max(cp_bytes)} if cp > 1 else {})},
+        times={"compute": compute, "tp": tp_time, "pp": pp_time, **({"cp": cp_time} if cp > 1 else {}),
+               "bubble": bubble, "fsdp": exposed, "optimizer": optimizer}, fsdp_comm_time=fsdp_time)
+
+
+def cp_exchange_bytes(m: ModelShape, s: int, b: int, t: int, cp: int) -> float:
+    """Bytes one block's four all-to-alls take in, on one rank: q and the attention output
+    at query width, k and v at kv width (repeated when a TP rank's kv heads do not split
+    over cp; parallel.context_parallel.kv_repeats), for seq / cp tokens, bf16."""
+    if cp == 1:
+        return 0.0
+    from parallel.context_parallel import kv_repeats
+
+    head_dim = m.head_dim or m.dim // m.n_heads
+    repeats = kv_repeats(m.n_heads // t, m.kv_dim // head_dim // t, cp)
+    return BF16 * s // cp * b * (2 * m.n_heads * head_dim + 2 * m.kv_dim * repeats) / t

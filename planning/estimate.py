@@ -39,9 +39,6 @@ def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu)
         raise NotModelled(f"sharding strategy {layout.strategy}: the formulas assume FSDP shards the model")
     if layout.pipelined and layout.schedule not in SCHEDULES_MODELLED:
         raise NotModelled(f"pp_schedule = \"{layout.schedule}\": the formulas know {', '.join(SCHEDULES_MODELLED)}")
-    if layout.dims.cp > 1:
-        raise NotModelled(f"[parallelism] cp = {layout.dims.cp}: the formulas do not split the sequence yet "
-                          "(the dry run traces it: activations per rank and the all-to-all bytes)")
     if p.pp_layers_per_stage or p.pp_split_points:
         raise NotModelled("a hand-placed pipeline split: the formulas split layers evenly")
     model_cfg = model.cfg
@@ -58,7 +55,7 @@ def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu)
                  strategy=layout.strategy, ac=ac.mode,
                  micro_batch=layout.local_batch // layout.n_microbatches if layout.pipelined else layout.local_batch,
                  pp_schedule=layout.schedule or "1F1B", pp_microbatches=layout.n_microbatches,
-                 stages_per_rank=layout.stages_per_rank)
+                 stages_per_rank=layout.stages_per_rank, cp=dims.cp)
     return job, lay
 
 

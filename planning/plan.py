@@ -121,7 +121,8 @@ def plan(job: Job) -> tuple[list[Estimate], Estimate | None, Counter]:
 
 def describe(lay: Layout) -> str:
     pipe = f"pp {lay.pp} {lay.pp_schedule} x {lay.pp_microbatches} micro-batches, " if lay.pp > 1 else ""
-    return (f"tp {lay.tp}, {pipe}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}, "
+    cp = f"cp {lay.cp}, " if lay.cp > 1 else ""
+    return (f"tp {lay.tp}, {cp}{pipe}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}, "
             f"{lay.strategy}, AC {lay.ac}, micro-batch {lay.micro_batch}")
 
 

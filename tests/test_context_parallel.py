@@ -161,6 +161,14 @@ def test_dry_run_of_the_128k_config_counts_the_closed_form_all_to_all_bytes():
     assert payload == layers * 3 * per_layer
     assert sent == payload * (cp - 1) / cp
     assert report["fits"], report["memory"]["total"] / 2**30
+    # The planner's formulas (planning/cost.py) count the same bytes, and memory near the trace.
+    from planning.estimate import estimate_config
+    from planning.hardware import get_gpu
+
+    e = estimate_config(cfg, 8, 8, get_gpu("h100-80gb"))
+    assert math.isclose(e.comm_bytes["cp"], sent, rel_tol=1e-9), (e.comm_bytes["cp"], sent)
+    traced = report["memory"]["total"]
+    assert abs(e.memory.total - traced) <= 0.10 * traced, (e.memory.total / 2**30, traced / 2**30)
 
 
 def _losses_printed(stdout: str) -> dict[int, float]:

@@ -164,6 +164,8 @@ def test_an_architecture_that_rescales_its_embeddings_refuses_a_pipeline(tmp_pat
 def test_block_classes_that_the_model_lacks_are_refused_naming_the_ones_it_has(tmp_path):
     message = refusal(tmp_path, "--model.hf_block_classes=LlamaDecoderLayer")
     assert "hf_config" in message and "['LlamaDecoderLayer']" in message and "Qwen2DecoderLayer" in message
+    message = refusal(tmp_path, "--model.hf_block_classes=Qwen2MLP")
+    assert "Qwen2MLP is not the repeated layer of Qwen2Model" in message
 
 
 def test_a_model_that_is_not_a_causal_lm_or_that_transformers_refuses_is_refused(tmp_path):

@@ -133,8 +133,12 @@ class HFModel:
                                f"(set [model] hf_block_classes; classes it has: {', '.join(near)})")
         self._mt_block_classes = names
         # The blocks' container (layers, h, ...), a child of the base model.
-        self._mt_layers = next(n for n, m in base.named_children()
-                               if isinstance(m, nn.ModuleList) and any(b is blocks[0] for b in m))
+        self._mt_layers = next((n for n, m in base.named_children()
+                                if isinstance(m, nn.ModuleList) and any(b is blocks[0] for b in m)), None)
+        if self._mt_layers is None:
+            raise HFModelError(f"block classes {list(names)}: {type(blocks[0]).__name__} is not the repeated layer "
+                               f"of {type(base).__name__} (an item of a ModuleList it holds); name the decoder-layer "
+                               "class in [model] hf_block_classes")
         # Embeddings and final norm: named by base_model_pp_plan (embed_tokens / layers / norm).
         # Without one, FSDP's root unit holds them and a pipeline cannot be cut.
         pp_plan = list(getattr(config, "base_model_pp_plan", None) or {})
