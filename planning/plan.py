@@ -4,6 +4,7 @@
            --seq-len 8192 --global-batch 512 [--top 10] [--write best.toml]
 
 Enumerates every layout train.py accepts (tp inside a node x pp x dp_replicate x dp_shard,
+context parallelism inside the node too for sequences of LONG_SEQ tokens or more,
 micro-batch size, pipeline schedule and micro-batches, activation checkpointing, FSDP
 strategy), drops those that do not fit in memory, and ranks the rest by estimated
 tokens/s per GPU. The formulas are in planning/cost.py and docs/planning.md: estimates to
@@ -18,6 +19,7 @@ import math
 import sys
 from collections import Counter
 
+from parallel.context_parallel import check_cp_fits
 from parallel.fsdp import check_strategy
 from parallel.mesh import LayoutError, ParallelDims, check_tp_fits
 from planning.cost import Estimate, Job, Layout, ModelShape, estimate, memory_per_gpu
@@ -28,6 +30,9 @@ from planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 AC_MODES = ("none", "selective", "full")
 # (schedule, stages per rank). GPipe is left out: same bubble as 1F1B, more memory.
 PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
+# Context parallelism is tried from this sequence length on: below it a sequence's
+# activations fit beside the model states on one GPU, and cp only adds all-to-alls.
+LONG_SEQ = 32_768
 MODEL_ALIASES = {"llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B", "llama3_1b": "1B"}
 LLAMA3_VOCAB = 128_256  # the Llama 3 tokenizer; "debug" keeps its own tiny vocabulary
 
@@ -62,24 +67,29 @@ def divisors(n: int) -> list[int]:
 def check_layout(job: Job, lay: Layout) -> None:
     """The rules train.py applies before starting, from the same functions; LayoutError if
     broken. (The pipeline rules run inside cost.rank_shares, via check_pipeline.)"""
-    ParallelDims(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, pp=lay.pp,
+    ParallelDims(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, pp=lay.pp, cp=lay.cp,
                  world_size=job.world)
     check_tp_fits(lay.tp, job.model.tp_divisible, seq_len=job.seq_len, gpus_per_node=job.gpus_per_node)
+    problems = check_cp_fits(lay.cp, lay.tp, heads=job.model.n_heads, seq_len=job.seq_len, sequence_parallel=True)
+    if problems:
+        raise LayoutError("cp does not fit the model: " + "; ".join(problems))
     if job.global_batch % lay.dp:
         raise LayoutError(f"global batch {job.global_batch} is not divisible by dp = {lay.dp}")
     check_strategy(lay.strategy, {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-                                  "tp": lay.tp})
-    if lay.dp_shard == 1:
+                                  "cp": lay.cp, "tp": lay.tp})
+    if lay.fsdp_shard == 1:
         raise LayoutError("no data-parallel sharding: model states would be held whole on every GPU")
 
 
 def candidates(job: Job):
-    """Every layout to try (unchecked): tp divides a node, pp and dp the rest."""
-    for tp in divisors(job.gpus_per_node):
-        for pp in divisors(job.world // tp):
-            dp = job.world // (tp * pp)
+    """Every layout to try (unchecked): tp (x cp, for long sequences) divides a node, pp and
+    dp the rest."""
+    for tp, cp in ((tp, cp) for tp in divisors(job.gpus_per_node)
+                   for cp in (divisors(job.gpus_per_node // tp) if job.seq_len >= LONG_SEQ else (1,))):
+        for pp in divisors(job.world // (tp * cp)):
+            dp = job.world // (tp * cp * pp)
             for dp_replicate in divisors(dp):
-                if dp == dp_replicate:  # no shard group: FSDP would not be applied (NO_SHARD)
+                if dp == dp_replicate and cp == 1:  # no shard group: FSDP would not be applied (NO_SHARD)
                     continue
                 strategies = (("HYBRID_SHARD", "HYBRID_SHARD_ZERO2") if dp_replicate > 1
                               else ("FULL_SHARD", "SHARD_GRAD_OP"))
@@ -93,7 +103,7 @@ def candidates(job: Job):
                                              dp_shard=dp // dp_replicate, strategy=strategy, ac=ac,
                                              micro_batch=micro_batch, pp_schedule=schedule,
                                              pp_microbatches=local // micro_batch if pp > 1 else 1,
-                                             stages_per_rank=v)
+                                             stages_per_rank=v, cp=cp)
 
 
 def plan(job: Job) -> tuple[list[Estimate], Estimate | None, Counter]:
@@ -127,18 +137,19 @@ def describe(lay: Layout) -> str:
 
 
 def format_table(estimates: list[Estimate]) -> str:
-    head = ("#", "tp", "pp", "dp_rep", "dp_shard", "strategy", "AC", "mbs", "schedule", "pp_mb",
-            "GiB/GPU", "step s", "tok/s/GPU", "MFU")
+    cp = any(e.layout.cp > 1 for e in estimates)  # a cp column only where cp was tried
+    head = ("#", "tp", *(("cp",) if cp else ()), "pp", "dp_rep", "dp_shard", "strategy", "AC", "mbs", "schedule",
+            "pp_mb", "GiB/GPU", "step s", "tok/s/GPU", "MFU")
     rows = [head]
     for i, e in enumerate(estimates, 1):
         lay = e.layout
-        rows.append((str(i), str(lay.tp), str(lay.pp), str(lay.dp_replicate), str(lay.dp_shard),
-                     lay.strategy, lay.ac, str(lay.micro_batch),
+        rows.append((str(i), str(lay.tp), *((str(lay.cp),) if cp else ()), str(lay.pp), str(lay.dp_replicate),
+                     str(lay.dp_shard), lay.strategy, lay.ac, str(lay.micro_batch),
                      lay.pp_schedule if lay.pp > 1 else "-", str(lay.pp_microbatches) if lay.pp > 1 else "-",
                      f"{e.memory.total / GIB:.1f}", f"{e.step_time:.2f}",
                      f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    left = {5, 6, 8}  # text columns
+    left = {head.index(name) for name in ("strategy", "AC", "schedule")}  # text columns
     return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in
                                enumerate(zip(r, widths))).rstrip() for r in rows)
 
@@ -191,7 +202,8 @@ def to_toml(e: Estimate, job: Job, name: str, command: str) -> str:
         f"seq_len = {job.seq_len}", 'mixed_precision_param = "bfloat16"',
         'mixed_precision_reduce = "float32"', "",
         "[parallelism]", f"dp_replicate = {lay.dp_replicate}", f"dp_shard = {lay.dp_shard}",
-        f"tp = {lay.tp}", f"pp = {lay.pp}", *pipe, f'sharding_strategy = "{lay.strategy}"',
+        f"tp = {lay.tp}", f"pp = {lay.pp}", *([f"cp = {lay.cp}"] if lay.cp > 1 else []), *pipe,
+        f'sharding_strategy = "{lay.strategy}"',
         "sequence_parallel = true", "loss_parallel = true", "",
         "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", ""])
 
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     world = args.nodes * args.gpus_per_node
     if world < 2:
         raise PlanError("one GPU has nothing to plan: FSDP needs at least 2 (use --nodes/--gpus-per-node)")
-    if math.gcd(args.global_batch, world) < 2:
+    if math.gcd(args.global_batch, world) < 2 and args.seq_len < LONG_SEQ:  # (cp can split one sequence)
         raise PlanError(f"--global-batch {args.global_batch} is not divisible by any data-parallel "
                         f"degree of {world} GPUs (it shares no factor with {world})")
     try:

@@ -226,3 +226,19 @@ def test_a_hugging_face_model_refuses_cp_naming_why(tmp_path):
         code = train.run(["--config", "hf_debug", "--dry-run", "--world-size", "4", "--parallelism.cp=2",
                           "--parallelism.tp=1", "--parallelism.dp_shard=2", f"--job.output_dir={tmp_path}"])
     assert code == 2 and "cannot split the sequence" in err.getvalue() and "use cp = 1" in err.getvalue()
+
+
+def test_the_planner_tries_cp_for_long_sequences_only_and_writes_it(tmp_path):
+    from planning.hardware import get_gpu
+    from planning.plan import Job, plan, resolve_model, to_toml
+    from training.config_loader import load_config
+
+    job = Job(resolve_model("8B"), get_gpu("h100-80gb"), nodes=1, gpus_per_node=8, seq_len=131072, global_batch=1)
+    fitting, _, _ = plan(job)
+    assert fitting and all(e.layout.cp > 1 for e in fitting)  # one sequence of 128K: no layout without cp fits
+    path = tmp_path / "best.toml"
+    path.write_text(to_toml(fitting[0], job, "best", "test"))
+    cfg = load_config(path)
+    assert cfg.parallelism.cp == fitting[0].layout.cp and cfg.training.seq_len == 131072
+    short = Job(resolve_model("8B"), get_gpu("h100-80gb"), nodes=1, gpus_per_node=8, seq_len=8192, global_batch=16)
+    assert all(e.layout.cp == 1 for e in plan(short)[0])
