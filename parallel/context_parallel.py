@@ -11,8 +11,9 @@ nothing from the attention kernel, so it runs on any backend (gloo included).
 
 A model takes part through a plain attribute: every module with a ``context_parallel``
 attribute (None by default) gets the `SequenceSplit` of the cp group from `apply_cp`; its
-attention calls `heads_for_sequence` / `sequence_for_heads` around SDPA, and a module that
-adds learned positions offsets them by `SequenceSplit.offset`.
+attention calls `causal_attention(q, k, v, self.context_parallel)` (which exchanges around
+SDPA when the split is set), and a module that adds learned positions offsets them by
+`SequenceSplit.offset`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,6 +61,21 @@ class SequenceSplit:
         chunks = rearrange(t, send, cp=self.size).contiguous()
         out = all_to_all_single_autograd(chunks, None, None, group=self.group)
         return rearrange(out, receive, cp=self.size)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit | None,
+                     rotate=None, **sdpa_kwargs) -> torch.Tensor:
+    """Causal SDPA of q, k, v [b, s, heads, d] -> [b, s, heads, d], exchanging heads for
+    the whole sequence first when ``split`` (context parallelism) is given, and back after.
+    ``rotate(q, k)``: position encoding applied to the whole sequence (so with global
+    positions), e.g. rotary."""
+    if split is not None:
+        q, k, v = split.heads_for_sequence(q, k, v)
+    if rotate is not None:
+        q, k = rotate(q, k)
+    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+    out = rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs), "b h s d -> b s h d")
+    return split.sequence_for_heads(out) if split is not None else out
 
 
 def kv_repeats(q_heads: int, kv_heads: int, cp: int) -> int:

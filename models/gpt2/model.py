@@ -19,6 +19,7 @@ from torch import nn
 
 from models.common import build_from_flavor, cut_stage, fsdp_units
 from models.gpt2.config import FLAVORS, GPT2Config
+from parallel.context_parallel import causal_attention
 from parallel.init import init_param_, materialize, trunc_normal_
 
 
@@ -34,12 +35,7 @@ class Attention(nn.Module):
 
     def forward(self, x):
         q, k, v = (rearrange(w(x), "b s (h d) -> b s h d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
-        if self.context_parallel is not None:  # this rank's tokens of all heads -> all tokens of some
-            q, k, v = self.context_parallel.heads_for_sequence(q, k, v)
-        q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
-        out = rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h s d -> b s h d")
-        if self.context_parallel is not None:
-            out = self.context_parallel.sequence_for_heads(out)
+        out = causal_attention(q, k, v, self.context_parallel)
         return self.wo(rearrange(out, "b s h d -> b s (h d)"))
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from models.common import build_from_flavor, cut_stage, fsdp_units
 from models.llama.config import FLAVORS, LlamaConfig
+from parallel.context_parallel import causal_attention
 from parallel.init import init_param_, materialize, trunc_normal_
 
 
@@ -61,18 +62,14 @@ class Attention(nn.Module):
         q = rearrange(self.wq(x), "b s (h d) -> b s h d", d=self.head_dim)
         k = rearrange(self.wk(x), "b s (h d) -> b s h d", d=self.head_dim)
         v = rearrange(self.wv(x), "b s (h d) -> b s h d", d=self.head_dim)
-        if self.context_parallel is not None:  # this rank's tokens of all heads -> all tokens of some
-            q, k, v = self.context_parallel.heads_for_sequence(q, k, v)
-        # cos/sin come for every position up to max_seq_len: only here, after sequence
-        # parallel and context parallel have gathered the sequence, is its length known.
-        cos, sin = cos[: q.shape[1]], sin[: q.shape[1]]
-        q = rearrange(apply_rope(q, cos, sin), "b s h d -> b h s d")
-        k = rearrange(apply_rope(k, cos, sin), "b s h d -> b h s d")
-        out = F.scaled_dot_product_attention(q, k, rearrange(v, "b s h d -> b h s d"), is_causal=True,
-                                             enable_gqa=True)
-        out = rearrange(out, "b h s d -> b s h d")
-        if self.context_parallel is not None:
-            out = self.context_parallel.sequence_for_heads(out)
+
+        def rotate(q, k):
+            # cos/sin come for every position up to max_seq_len: only here, after sequence
+            # parallel and context parallel have gathered the sequence, is its length known.
+            c, s = cos[: q.shape[1]], sin[: q.shape[1]]
+            return apply_rope(q, c, s), apply_rope(k, c, s)
+
+        out = causal_attention(q, k, v, self.context_parallel, rotate, enable_gqa=True)
         return self.wo(rearrange(out, "b s h d -> b s (h d)"))
 
 
