@@ -34,6 +34,25 @@ def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:
     return {name: torch.load(out / f"{name}.pt") for name in names}
 
 
+def dry_run_refusal(*argv: str) -> str:
+    """`train.py *argv --dry-run` in this process: it must stop with exit code 2, one
+    error line and no traceback, and leave no process group behind. Returns the line."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    import train
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = train.run([*argv, "--dry-run"])
+    assert not dist.is_initialized(), "a process group was left behind"
+    message = err.getvalue().strip()
+    assert code == 2 and message.startswith("meshtrain: error: ") and "Traceback" not in message, (code, message)
+    return message
+
+
 @pytest.fixture
 def fake_world():
     """A fake process group of any size in this one process (no communication happens)."""

@@ -13,7 +13,7 @@ import torch
 
 from parallel.context_parallel import kv_repeats
 from tests import oracle, train_oracle
-from tests.conftest import torchrun
+from tests.conftest import dry_run_refusal, torchrun
 
 TRAIN = ["--training.steps=6", "--training.seq_len=64", "--training.global_batch_size=8",
          "--training.max_norm=0.1", "--optimizer.lr=3e-3"]
@@ -115,20 +115,7 @@ def test_train_py_cp2_tp2_gives_the_one_process_losses(tmp_path):
 # ---- refused before any process group ----
 
 def _refusal(tmp_path, *args: str) -> str:
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    import train
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = train.run(["--config", "debug_2d", "--dry-run", f"--job.output_dir={tmp_path}", *args])
-    assert not dist.is_initialized()
-    message = err.getvalue().strip()
-    assert code == 2 and message.startswith("meshtrain: error: ") and "Traceback" not in message, (code, message)
-    return message
+    return dry_run_refusal("--config", "debug_2d", f"--job.output_dir={tmp_path}", *args)
 
 
 def test_what_cp_cannot_split_is_refused_with_the_arithmetic(tmp_path):
@@ -216,16 +203,9 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
 
 
 def test_a_hugging_face_model_refuses_cp_naming_why(tmp_path):
-    import contextlib
-    import io
-
-    import train
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = train.run(["--config", "hf_debug", "--dry-run", "--world-size", "4", "--parallelism.cp=2",
-                          "--parallelism.tp=1", "--parallelism.dp_shard=2", f"--job.output_dir={tmp_path}"])
-    assert code == 2 and "cannot split the sequence" in err.getvalue() and "use cp = 1" in err.getvalue()
+    message = dry_run_refusal("--config", "hf_debug", "--world-size", "4", "--parallelism.cp=2", "--parallelism.tp=1",
+                              "--parallelism.dp_shard=2", f"--job.output_dir={tmp_path}")
+    assert "cannot split the sequence" in message and "use cp = 1" in message
 
 
 def test_the_planner_tries_cp_for_long_sequences_only_and_writes_it(tmp_path):

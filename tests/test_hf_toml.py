@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import oracle, train_oracle
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT, dry_run_refusal, torchrun
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=2, vocab_size=320, max_position_embeddings=128, pad_token_id=None,
@@ -99,24 +99,9 @@ def test_hf_model_from_toml_trains_like_plain_transformers(setup, oracles, arch,
 
 # ---- one process: what is refused, before any process group, and why ----
 
-def refusal(tmp_path, *args: str, world_size: int = 4) -> str:
-    """The one-line error of a dry run of hf_debug with ``args`` (exit code 2)."""
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    import train
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = train.run(["--config", "hf_debug", "--dry-run", "--world-size", str(world_size),
-                          f"--job.output_dir={tmp_path}", *args])
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    message = err.getvalue().strip()
-    assert code == 2 and message.startswith("meshtrain: error: ") and "Traceback" not in message, (code, message)
-    return message
+def refusal(tmp_path, *args: str) -> str:
+    """The one-line error of a dry run of hf_debug at 4 ranks with ``args``."""
+    return dry_run_refusal("--config", "hf_debug", "--world-size", "4", f"--job.output_dir={tmp_path}", *args)
 
 
 def extra_config(tmp_path, name: str, **config) -> str:

@@ -93,6 +93,7 @@ def build_hf(where: str, *, hf: dict | None = None, n_layers: int = 0, block_cla
     return model
 
 
+HEAD = "lm_head"  # the output layer of every transformers causal LM
 _CLASSES: dict[type, type] = {}
 
 
@@ -121,6 +122,7 @@ class HFModel:
     def _mt_setup(self, config, block_classes, tp_plan) -> None:
         self.cfg = HFConfig(hf=config.to_dict(), **_sizes(config))
         self._mt_first, self._mt_last = True, True
+        self._mt_pass_through: bool | None = None  # see layout_refusal
         self._mt_tied_sources: dict[str, tuple[str, nn.Module]] = {}
         base = self.base_model
         self._mt_base = next(name for name, m in self.named_children() if m is base)
@@ -131,7 +133,6 @@ class HFModel:
             near = [n for n in present if "Layer" in n or "Block" in n] or present
             raise HFModelError(f"block classes {list(names)} are not in {type(self).__name__} "
                                f"(set [model] hf_block_classes; classes it has: {', '.join(near)})")
-        self._mt_block_classes = names
         # The blocks' container (layers, h, ...), a child of the base model.
         self._mt_layers = next((n for n, m in base.named_children()
                                 if isinstance(m, nn.ModuleList) and any(b is blocks[0] for b in m)), None)
@@ -165,7 +166,9 @@ class HFModel:
             if self._mt_embed is None:
                 return (f"{name} has no base_model_pp_plan (embeddings / layers / norm), so meshtrain "
                         "does not know where a pipeline stage starts and ends; use pp = 1")
-            if not _embeddings_pass_through(self):
+            if self._mt_pass_through is None:  # once per model: a CPU forward of its front
+                self._mt_pass_through = _embeddings_pass_through(self)
+            if not self._mt_pass_through:
                 return (f"{name} transforms its embeddings in forward before the first block (e.g. a "
                         "scale), so a pipeline stage after the first cannot take hidden states as "
                         "inputs_embeds; use pp = 1 for this architecture")
@@ -199,13 +202,10 @@ class HFModel:
     def tied_weights(self) -> list[tuple[str, ...]]:
         if not self.cfg.tie_embeddings:
             return []
-        return [(self._mt_embed_weight, f"{self._head_name()}.weight")]
-
-    def _head_name(self) -> str:
-        return "lm_head"
+        return [(self._mt_embed_weight, f"{HEAD}.weight")]
 
     def _head(self) -> nn.Module | None:
-        return getattr(self, self._head_name(), None)
+        return getattr(self, HEAD, None)
 
     def tp_divisible(self) -> dict[str, int]:
         c = self.cfg
@@ -228,7 +228,7 @@ class HFModel:
         if getattr(base, self._mt_embed, None) is not None:
             plan[f"{self._mt_base}.{self._mt_embed}"] = embedding
         if self._head() is not None:
-            plan[self._head_name()] = output
+            plan[HEAD] = output
         return plan
 
     # ---- pipeline stages ----
@@ -250,12 +250,12 @@ class HFModel:
             setattr(base, stage._mt_embed, None)
         if not last:
             setattr(base, stage._mt_norm, nn.Identity())
-            setattr(stage, stage._head_name(), None)
+            setattr(stage, HEAD, None)
         if last and not first and self.cfg.tie_embeddings:
             # The tied copy on this stage starts as the embedding does: initialized by a
             # (meta) copy of the embedding module under its name. See init_weights.
             source = f"{self._mt_base}.{self._mt_embed}"
-            stage._mt_tied_sources = {f"{self._head_name()}.weight": (source, copy.deepcopy(self.get_submodule(source)))}
+            stage._mt_tied_sources = {f"{HEAD}.weight": (source, copy.deepcopy(self.get_submodule(source)))}
             stage._head().weight = nn.Parameter(torch.empty_like(self._head().weight))
         stage._mt_first, stage._mt_last = first, last
         return stage
