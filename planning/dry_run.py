@@ -22,6 +22,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,8 @@ class CountCollectives(TorchDispatchMode):
 
     def __init__(self, group_names: dict[str, tuple[str, int]]):
         super().__init__()
-        self.group_names, self.stats = group_names, CommStats()
+        self.group_names, self.stats, self.phase = group_names, CommStats(), ""
+        self.stage_io = {}  # pipeline stage -> ((input shape, dtype), (output shape, dtype))
         # (dimension, kind) -> how many times the step repeats what is being traced now
         self.scale = lambda dim, kind: 1
 
@@ -206,11 +208,13 @@ def activation_seq(cfg, layout) -> int:
     return seq // tp if (tp > 1 and cfg.parallelism.sequence_parallel) else seq
 
 
-def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker) -> str:
+def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, actions=None) -> str:
     """One training step of this rank on fake tensors (see the module docstring). Of the
     step's gradient-accumulation micro-batches one is traced: each is the same work and
     frees its activations before the next, so the peak is the same; its collectives are
-    counted once per micro-batch. Returns what was traced, in words."""
+    counted once per micro-batch. Under a pipeline ``actions`` (default: this rank's
+    schedule, up to its last new state) are the forwards and backwards run. ``comm.phase`` names the
+    part of the step running, for reports. Returns what was traced, in words."""
     from parallel import clip_grad_norm_, loss_parallel_context, submesh
     from training.step import cross_entropy
 
@@ -222,15 +226,19 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker) -
         comm.scale = lambda dim, kind: accum
         tokens = torch.randint(0, model_cfg.vocab_size, (local, rank_seq(cfg, layout)))
         with loss_parallel_context(loss_parallel):
-            cross_entropy(parts[0][1](tokens), tokens).backward()
+            comm.phase = "forward"
+            loss = cross_entropy(parts[0][1](tokens), tokens)
+            comm.phase = "backward"
+            loss.backward()
         traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
                   f"the others held)" if accum > 1 else f"one micro-batch of {local} sequences")
     else:
-        traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel)
+        traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions)
         traced += f"; x {accum} accumulation steps" if accum > 1 else ""
-    comm.scale = lambda dim, kind: 1
+    comm.scale, comm.phase = (lambda dim, kind: 1), "gradient clipping"
     pp_mesh = submesh(mesh, "pp")
     clip_grad_norm_([q for _, part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
+    comm.phase = "optimizer step"
     if not all(opt.defaults.get("fused") for opt in optimizers.optimizers):
         optimizers.step()
     # A fused AdamW step updates parameters and state in place and allocates nothing once
@@ -243,8 +251,11 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker) -
 
 def pipeline_actions(layout, stage_ids: list[int]) -> list:
     """This rank's forwards and backwards in the order torch's schedule runs them, up to
-    its memory peak and drained (planning/schedule.py); for a schedule without an F/B
-    model, each stage's in-flight forwards then their backwards, one stage after another."""
+    the last new state of its step and drained (planning/schedule.py `replay_prefix`). Each
+    stage's unsharded gradients grow from its first backward to the step's end, so the
+    peak may come late (a replay cut right after every stage's first backward missed 7 of
+    45 GiB on Llama 3 8B, pp 2 interleaved). For a schedule without an F/B model, each
+    stage's in-flight forwards then their backwards, one stage after another."""
     from planning.schedule import SUPPORTED, Action, rank_actions, replay_prefix
 
     pp, n_micro = layout.dims.pp, layout.n_microbatches
@@ -258,7 +269,7 @@ def pipeline_actions(layout, stage_ids: list[int]) -> list:
     return out
 
 
-def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel) -> str:
+def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions=None) -> str:
     """Replay this rank's forwards and backwards (see `pipeline_actions`). As torch's
     PipelineStage does, FSDP neither reshards nor reduces after a backward until the
     stage's last one, so every local stage's unsharded gradients accumulate meanwhile."""
@@ -269,11 +280,10 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel)
     n_stages, mb, seq = len(layout.stage_layers), layout.local_batch // layout.n_microbatches, activation_seq(cfg, layout)
     dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
     by_stage = dict(parts)
-    actions = pipeline_actions(layout, list(by_stage))
+    actions = actions or pipeline_actions(layout, list(by_stage))
     forwards = {s: sum(a.kind == "F" and a.stage == s for a in actions) for s in by_stage}
-    last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind == "B"}
     pending = {}
-    for i, a in enumerate(actions):
+    for a in actions:
         part, scale = by_stage[a.stage], n_micro * accum / forwards[a.stage]
         # TP collectives happen per micro-batch, FSDP's per schedule step (once per
         # accumulation step): scale what was traced to the whole step.
@@ -283,21 +293,34 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel)
                 # The tracker refuses a second top-level call of a module it has seen (it
                 # takes it for the next step); forgetting the stage's root is enough, and
                 # keeps what the pending backwards of other micro-batches look up.
-                tracker.memory_tracking.pop(part, None)
+                if tracker is not None:
+                    tracker.memory_tracking.pop(part, None)
                 x = (torch.randint(0, model_cfg.vocab_size, (mb, rank_seq(cfg, layout))) if a.stage == 0 else
                      torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
+                comm.phase = f"forward of stage {a.stage}, micro-batch {a.microbatch}"
                 out = part(x)
+                comm.stage_io[a.stage] = ((tuple(x.shape), x.dtype), (tuple(out.shape), out.dtype))
                 labels = torch.zeros(mb, rank_seq(cfg, layout), dtype=torch.long)
                 pending[a.stage, a.microbatch] = (cross_entropy(out, labels)
-                                                  if a.stage == n_stages - 1 else out)
+                                                  if a.stage == n_stages - 1 else out), x
                 continue
-            out = pending.pop((a.stage, a.microbatch))
-            if isinstance(part, FSDPModule):
-                part.set_requires_gradient_sync(i == last_backward[a.stage])
-                part.set_reshard_after_backward(i == last_backward[a.stage])
+            out, x = pending.pop((a.stage, a.microbatch))
+            comm.phase = f"backward of stage {a.stage}, micro-batch {a.microbatch}"
+            if isinstance(part, FSDPModule):  # as PipelineStage.backward_one_chunk sets them
+                part.set_is_last_backward(False)
+                part.set_reshard_after_backward(False)
+                part.set_requires_gradient_sync(False)
             out.backward(None if out.ndim == 0 else torch.ones_like(out))
+            x.grad = None  # the input's gradient is sent back to the previous stage, then dropped
+    # After the step's last backward the schedule reduces each stage's accumulated
+    # gradients (its REDUCE_GRAD action): torch's own method, on each traced stage.
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+    comm.phase = "gradient reduction"
+    comm.scale = lambda dim, kind: accum
+    for s, part in parts:
+        _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=part), 1)
     held = ", ".join(f"stage {s}: {forwards[s]}" for s in by_stage)
-    return f"{layout.schedule} order of this rank, up to its peak and drained; forwards traced ({held}) of {n_micro} micro-batches"
+    return f"{layout.schedule} order of this rank up to its last new state, drained; forwards traced ({held}) of {n_micro} micro-batches"
 
 
 def init_optimizer_state(parts, optimizers, accumulating: bool = False) -> None:
@@ -312,6 +335,35 @@ def init_optimizer_state(parts, optimizers, accumulating: bool = False) -> None:
     optimizers.zero_grad(set_to_none=not accumulating)
 
 
+def init_fake_world(rank: int, world_size: int) -> None:
+    """This process becomes rank ``rank`` of a fake process group of ``world_size``."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # DTensor caches sharding decisions by mesh, and meshes of different ranks compare
+    # equal: another rank's dry run in this process must not answer for this one.
+    _clear_sharding_prop_cache()
+
+
+def build_rank(cfg, world_size: int, gpus_per_node: int):
+    """(model, layout, mesh, parts) of this rank, as train.py builds them, on meta."""
+    from parallel.grad_clip import _whole_group
+    from training import recipe
+
+    cfg.job.device = "cpu"  # fake tensors live on the CPU; the layout checks are the same
+    model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
+    layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
+    mesh = layout.dims.build_mesh("cpu")
+    parts = recipe.build_parts(cfg, layout, mesh, model).parts
+    for param in (q for _, m in parts for q in m.parameters()):
+        if isinstance(param, DTensor):
+            _whole_group(param.device_mesh)  # made now: creating groups under fake tensors fails
+    return model, layout, mesh, parts
+
+
 def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "", *,
             fake: bool = True, quiet: bool = False) -> dict:
     """Build and trace rank ``rank``'s view of ``cfg`` at ``world_size``; print the report
@@ -319,9 +371,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     peak fits. ``fake=False`` runs the step on real CPU tensors instead (small models only):
     the reference tests check the fake trace against."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parallel.grad_clip import _whole_group
     from parallel.mesh import LayoutError
     from training import recipe
 
@@ -335,32 +385,19 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     if rank >= world_size:
         raise LayoutError(f"--rank={rank} is outside the world of {world_size} ranks")
     started = time.perf_counter()
-    cfg.job.device = "cpu"  # fake tensors live on the CPU; the layout checks are the same
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    # DTensor caches sharding decisions by mesh, and meshes of different ranks compare
-    # equal: another rank's dry run in this process must not answer for this one.
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    _clear_sharding_prop_cache()
+    init_fake_world(rank, world_size)
     try:
         say = (lambda text: None) if quiet else (lambda text: print(f"meshtrain dry run: {text}", flush=True))
         say(f"building rank {rank} of {world_size}: model on meta, mesh, TP / FSDP / pipeline stages ...")
-        model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
-        layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
-        mesh = layout.dims.build_mesh("cpu")
-        parts = recipe.build_parts(cfg, layout, mesh, model).parts
+        model, layout, mesh, parts = build_rank(cfg, world_size, gpus_per_node)
         stage_layers = layout.stage_layers
         modules = [part for _, part in parts]
-        for param in (q for m in modules for q in m.parameters()):
-            if isinstance(param, DTensor):
-                _whole_group(param.device_mesh)  # made now: creating groups under fake tensors fails
         names = mesh_group_names(mesh)
         report = {"world_size": world_size, "rank": rank, "mesh": describe_mesh(mesh, rank, gpus_per_node),
                   "stages": [(i, stage_layers[i] if stage_layers else None) for i, _ in parts],
                   "parameters": _param_counts(modules, model)}
         say(f"tracing one training step on fake tensors ({time.perf_counter() - started:.0f} s so far; "
-            f"half a minute for 405B at 512 ranks) ...")
+            f"about a minute for 405B at 512 ranks) ...")
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
@@ -380,11 +417,11 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
         if stage_layers is not None:
             report["comm"].update(_pipeline_boundary(cfg, layout, parts, model.cfg))
         report["seconds"] = time.perf_counter() - started
-        if card is not None:
-            report.update(judge_fit(report["memory"]["total"], card, cfg, layout, model, world_size,
-                                    gpus_per_node, rank))
     finally:
         dist.destroy_process_group()
+    if card is not None:  # after the fake world is gone: the planner's probe makes its own
+        report.update(judge_fit(report["memory"]["total"], card, cfg, layout, model, world_size,
+                                gpus_per_node, rank))
     if not quiet:
         print_report(report, cfg)
     return report

@@ -81,27 +81,46 @@ def rank_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatches: i
 
 
 def replay_prefix(actions: list[Action]) -> list[Action]:
-    """The part of one rank's list a memory trace must run to reach its peak, then drained.
+    """The part of one rank's list a memory trace must run to meet every state of its step:
+    its warm-up and steady state up to the last new state, then its cool-down.
 
-    The peak is during a backward, with the most micro-batches in flight and every local
-    stage's gradient buffers already allocated (a pipeline accumulates gradients unsharded
-    until the step's end). In the steady state each forward is followed by a backward, so
-    the count in flight no longer grows: the list is run until every local stage has done
-    one backward and the next action after the last of those, then the backwards of
-    whatever is still in flight, so every traced forward has its backward."""
-    stages = {a.stage for a in actions}
-    seen, cut = set(), len(actions)
-    for i, a in enumerate(actions):
+    The memory at a backward is set by the micro-batches in flight per stage, by which
+    stages have had their first backward (from then on a stage's gradients accumulate
+    unsharded until the step's end) and by which stages ran a backward since their last
+    forward (FULL_SHARD reshards after each forward, so a stage is gathered from its
+    backward to its next forward; in the cool-down, with no forwards left, every stage
+    stays gathered). In the steady state the same states come round again and again. So
+    the list is run until it reaches, after its last new state, the state it is in at its
+    last forward; then its cool-down, the real one's backwards stage by stage, on the
+    micro-batches in flight. A 256-micro-batch list shrinks to its warm-up, about one
+    round and its cool-down."""
+    last_forward = max(i for i, a in enumerate(actions) if a.kind == "F")
+    live: dict[int, int] = {}
+    begun, gathered = set(), set()
+    states, seen, newest = [], set(), 0
+    for i, a in enumerate(actions[:last_forward + 1]):
+        live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
         if a.kind == "B":
-            seen.add(a.stage)
-            if seen == stages:
-                cut = min(len(actions), i + 2)
-                break
+            begun.add(a.stage)
+            gathered.add(a.stage)
+        else:
+            gathered.discard(a.stage)
+        state = (a.kind, a.stage, tuple(sorted(live.items())), frozenset(begun), frozenset(gathered))
+        states.append(state)
+        if state not in seen:
+            seen.add(state)
+            newest = i
+    cut = next(i for i in range(newest, last_forward + 1) if states[i] == states[last_forward]) + 1
     prefix = actions[:cut]
     done = {(a.stage, a.microbatch) for a in prefix if a.kind == "B"}
-    drain = [Action("B", a.stage, a.microbatch) for a in prefix
-             if a.kind == "F" and (a.stage, a.microbatch) not in done]
-    return prefix + list(reversed(drain))
+    pending: dict[int, list[int]] = {}
+    for a in prefix:
+        if a.kind == "F" and (a.stage, a.microbatch) not in done:
+            pending.setdefault(a.stage, []).append(a.microbatch)
+    cooldown = [Action("B", a.stage, pending[a.stage].pop(0)) for a in actions[last_forward + 1:]
+                if pending.get(a.stage)]
+    rest = [Action("B", s, mb) for s, mbs in pending.items() for mb in reversed(mbs)]
+    return prefix + cooldown + rest
 
 
 def in_flight_at_peak(actions: list[Action], weight: dict[int, float],
