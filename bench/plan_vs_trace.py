@@ -4,7 +4,7 @@
     python bench/plan_vs_trace.py --model 70B --nodes 8 --seq-len 8192 --global-batch 512 --tp 2,8 --pp 1,4
 
 For every (tp, pp, AC mode) of the grid, the fastest layout the search finds with those
-three (the other knobs as it chose them) is written as a train.py config, as `plan
+three that fits (the smallest if none does; the other knobs as it chose them) is written as a train.py config, as `plan
 --write` does, and dry-run at the full world size on the pipeline rank the estimate says
 is fullest. Prints estimate, trace and their difference, one row per layout: what the
 planner's +-10% target is checked against. No GPU; tens of seconds per 70B trace.
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel.mesh import LayoutError  # noqa: E402
 from planning.cost import Job, estimate  # noqa: E402
-from planning.hardware import GIB, get_gpu  # noqa: E402
+from planning.hardware import GIB, get_gpu, usable_bytes  # noqa: E402
 from planning.plan import AC_MODES, candidates, check_layout, describe, resolve_model, trace  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main() -> None:
               args.global_batch)
     print(f"{job.model.family} {job.model.flavor} on {job.nodes} x {job.gpus_per_node}, seq {job.seq_len}, "
           f"global batch {job.global_batch}: estimate vs dry-run trace, GiB per GPU")
-    rows = []
+    rows, usable = [], usable_bytes(job.gpu)
     for tp in map(int, args.tp.split(",")):
         for pp in map(int, args.pp.split(",")):
             for ac in args.ac.split(","):
@@ -54,7 +54,10 @@ def main() -> None:
                         e = estimate(job, lay)
                     except LayoutError:  # a layout the search would reject
                         continue
-                    if best is None or e.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu:
+                    # The fastest that fits; while none fits, the smallest.
+                    key = lambda x: ((x.memory.total <= usable), x.tokens_per_s_per_gpu if
+                                     x.memory.total <= usable else -x.memory.total)
+                    if best is None or key(e) > key(best):
                         best = e
                 if best is None:
                     continue

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from planning.hardware import GPU
+from planning.kernels import block_seconds, head_seconds
 from planning.schedule import SUPPORTED, in_flight_at_peak, rank_actions
 from parallel.pipeline import SCHEDULES, check_pipeline, stage_ids
 
@@ -118,6 +119,7 @@ class Job:
     gpus_per_node: int
     seq_len: int
     global_batch: int
+    compiled: bool = False   # [compile] enable: element-wise chains fused (planning/kernels.py)
 
     @property
     def world(self) -> int:
@@ -282,34 +284,119 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: Layout) -> float:
 
 
 def memory_per_gpu(job: Job, lay: Layout) -> Memory:
-    """Peak bytes per GPU on the worst pipeline rank (the one with the largest total)."""
+    """Peak bytes per GPU on the worst pipeline rank (the one with the largest total).
+    Activations come from a traced probe of two blocks (planning/activations.py) where the
+    family can build one; otherwise from the formulas above."""
+    from planning.activations import profile_for
+
+    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac)
+    worst = None
+    for r, share in enumerate(rank_shares(job, lay)):
+        if prof is not None:
+            mem = traced_memory(job, lay, r, share, prof)
+        else:
+            mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(job.model, share, lay.tp), lay.fsdp_shard))
+            mem.activations, mem.transient = formula_activations(job, lay, share), transient_bytes(job.model, share, lay)
+        if worst is None or mem.total > worst.total:
+            worst = mem
+    return worst
+
+
+def _units(m: ModelShape, tp: int) -> tuple[float, float, float]:
+    """Local parameters of one block, the embedding and the head (final norm + output)."""
+    return (m.layer_split / tp + m.layer_replicated, m.embedding / tp,
+            (m.head_split if not m.tied else m.embedding) / tp + m.head_replicated)
+
+
+def traced_memory(job: Job, lay: Layout, rank: int, share: RankShare, prof) -> Memory:
+    """Pipeline rank ``rank``'s peak from the probe's per-sequence bytes and FSDP2's rules,
+    as the largest of the moments of its step.
+
+    No pipeline: the loss's backward (every block's activations and the head's kept, the
+    loss's working set, the head gathered); a block's backward (its recomputation and
+    gradients on top of what is kept; two blocks gathered, its gradient in bf16 and its
+    fp32 copy for the reduce-scatter); the end of the forward (the loss's fp32 copies);
+    the embedding's backward (every sharded gradient made). SHARD_GRAD_OP keeps every unit
+    gathered from its forward to its backward. Sharded fp32 gradients exist from the
+    step's first backward on only with gradient accumulation (train_step frees them).
+
+    Pipeline: each micro-batch of a stage keeps its input, its blocks and (last stage) the
+    head; torch's schedule says which are in flight at each of the rank's backwards. As
+    torch's PipelineStage turns resharding after backward and gradient reduction off
+    until the step's last backward, a stage stays gathered (bf16) and its unsharded
+    gradients accumulate in fp32 from its first backward on."""
+    m, b, t = job.model, lay.micro_batch, lay.tp
+    block, embed, head = _units(m, t)
+    local = rank_local_params(m, share, t)
+    shard = lay.fsdp_shard
+    mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=2 * FP32 * local / shard)
+    zero2 = lay.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+    accumulating = lay.local_batch(job) > b * (lay.pp_microbatches if lay.pp > 1 else 1)
+    held_grads = FP32 * local / shard if accumulating else 0.0
+    gathered = lambda *units: BF16 * (local if zero2 else sum(units))
+    if lay.pp == 1:
+        kept = b * (prof.embed + prof.kept(share.layers))
+        moments = [  # (gradients, transient, activations)
+            (held_grads, gathered(head), kept + b * (prof.head + prof.head_working)),
+            (held_grads, gathered(block, block) + (BF16 + FP32) * block, kept + b * prof.block_working),
+            (held_grads, gathered(head), kept + b * (prof.head + prof.forward_extra)),
+            (FP32 * local / shard, gathered(embed) + (BF16 + FP32) * embed, b * (prof.embed + prof.kept(1))),
+        ]
+        mem.grads, mem.transient, mem.activations = max(moments, key=sum)
+        return mem
+    stages = check_pipeline(pp=lay.pp, n_layers=m.n_layers, schedule=lay.pp_schedule,
+                            stages_per_rank=lay.stages_per_rank, n_microbatches=lay.pp_microbatches,
+                            local_batch=lay.local_batch(job))
+    n_stages = len(stages)
+    weight, working, after, running = {}, {}, {}, {}
+    for s in stage_ids(rank, lay.pp, n_stages, SCHEDULES[lay.pp_schedule][1]):
+        first, last = s == 0, s == n_stages - 1
+        weight[s] = b * ((prof.embed if first else prof.stage_input) + prof.kept(len(stages[s]))
+                         + (prof.head if last else 0))
+        working[s] = b * max(prof.block_working, prof.head_working if last else 0)
+        params = len(stages[s]) * block + first * embed + last * (0 if (m.tied and first) else head)
+        after[s] = FP32 * params + (0 if zero2 else BF16 * params)
+        running[s] = 0 if zero2 else BF16 * (head if last else block)
+    actions = rank_actions(lay.pp_schedule, lay.pp, lay.stages_per_rank, lay.pp_microbatches)[rank]
+    live, done, best = {s: 0 for s in weight}, set(), (-1.0, 0.0, 0.0)
+    for a in actions:
+        if a.kind == "F":
+            live[a.stage] += 1
+            continue
+        acts = sum(live[s] * weight[s] for s in live) + working[a.stage]
+        transient = sum(after[s] for s in done) + (running[a.stage] if a.stage not in done else 0)
+        if acts + transient > sum(best[1:]):
+            best = (0.0, transient, acts)
+        live[a.stage] -= 1
+        done.add(a.stage)
+    mem.grads = held_grads
+    mem.transient = best[1] + gathered()
+    mem.activations = best[2]
+    return mem
+
+
+def formula_activations(job: Job, lay: Layout, share: RankShare) -> float:
+    """The closed forms (a Llama-shaped block): for families the probe cannot build."""
     # Under context parallelism every activation holds this rank's seq / cp tokens (the
     # all-to-alls trade tokens for heads: q, k, v keep their bytes).
     m, s, b, t = job.model, job.seq_len // lay.cp, lay.micro_batch, lay.tp
     full, kept = layer_activation_bytes(m, s, b, t), block_input_bytes(m, s, b, t)
-    worst = None
-    for r, share in enumerate(rank_shares(job, lay)):
-        mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(m, share, t), lay.fsdp_shard))
-        ckpt = checkpointed_blocks(share, lay.ac) / share.layers
-        # Saved for backward by the micro-batches in flight: a checkpointed block keeps only
-        # its input. Plus the working set of one block's backward: its gradients (and, when
-        # it was checkpointed, its recomputed activations).
-        saved = share.inflight * (ckpt * kept + (1 - ckpt) * full)
-        working = (2 if lay.ac != "none" else 1) * full
-        if share.last:
-            # The final norm's input and gathered output per micro-batch in flight. The loss
-            # (loss_parallel, fp32, on the local vocab shard) keeps its fp32 log-softmax for
-            # backward; its peak is in backward: that log-softmax, the incoming gradient and
-            # the one produced, 3 x 4 bytes per logit (forward peaks lower, at 2 + 4 + 4).
-            logits = s * b * m.vocab / t
-            saved += share.head_inflight * BF16 * s * b * m.dim * (1 + 1 / t)
-            saved += (share.head_inflight - 1) * FP32 * logits   # other micro-batches' (GPipe)
-            working = max(working, 3 * FP32 * logits)
-        mem.activations = saved + working
-        mem.transient = transient_bytes(m, share, lay)
-        if worst is None or mem.total > worst.total:
-            worst = mem
-    return worst
+    ckpt = checkpointed_blocks(share, lay.ac) / share.layers
+    # Saved for backward by the micro-batches in flight: a checkpointed block keeps only
+    # its input. Plus the working set of one block's backward: its gradients (and, when
+    # it was checkpointed, its recomputed activations).
+    saved = share.inflight * (ckpt * kept + (1 - ckpt) * full)
+    working = (2 if lay.ac != "none" else 1) * full
+    if share.last:
+        # The final norm's input and gathered output per micro-batch in flight. The loss
+        # (loss_parallel, fp32, on the local vocab shard) keeps its fp32 log-softmax for
+        # backward; its peak is in backward: that log-softmax, the incoming gradient and
+        # the one produced, 3 x 4 bytes per logit (forward peaks lower, at 2 + 4 + 4).
+        logits = s * b * m.vocab / t
+        saved += share.head_inflight * BF16 * s * b * m.dim * (1 + 1 / t)
+        saved += (share.head_inflight - 1) * FP32 * logits   # other micro-batches' (GPipe)
+        working = max(working, 3 * FP32 * logits)
+    return saved + working
 
 
 # ---------------------------------------------------------------- communication and time
@@ -344,6 +431,7 @@ class Estimate:
     comm_bytes: dict[str, float]   # per GPU per step, sent, by mesh dimension
     times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, optimizer
     fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
+    compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
 
 
 def estimate(job: Job, lay: Layout) -> Estimate:
@@ -360,16 +448,19 @@ def estimate(job: Job, lay: Layout) -> Estimate:
     bw_pp = gpu.inter_node_bw if spans_nodes(t * lay.dp * cp, lay.pp, g) else gpu.intra_node_bw
     bw_cp = gpu.inter_node_bw if spans_nodes(t, cp, g) else gpu.intra_node_bw
 
-    per_mb, tp_bytes, pp_bytes, cp_bytes, fsdp = [], [], [], [], []
+    per_mb, tp_bytes, pp_bytes, cp_bytes, fsdp, parts = [], [], [], [], [], []
     for share in shares:
         ckpt = checkpointed_blocks(share, lay.ac)
-        # FLOPs per token (6 per weight, 12·h·s per layer for attention: each token attends
-        # over the whole sequence, whatever cp), with the forward of checkpointed blocks run
-        # twice: +1/3 of their share. This rank runs s / cp tokens of each sequence.
-        layer_flops = share.layers * 6 * m.layer_params + 12 * share.layers * m.dim * s
-        head_flops = 6 * (m.head_split + m.head_replicated) if share.last else 0
-        hw_flops = (layer_flops * (1 + ckpt / share.layers / 3) + head_flops) * s / cp * b / t
-        compute = hw_flops / gpu.achievable_flops
+        # Matmuls, attention and memory-bound work at their own speeds (planning/kernels.py);
+        # this rank runs s / cp tokens of each of the micro-batch's b sequences.
+        tokens = b * s / cp
+        run = lambda recompute: block_seconds(m, tokens=tokens, seq=s, tp=t, cp=cp, gpu=gpu,
+                                              recompute=recompute, compiled=job.compiled)
+        seconds = (run("full") * ckpt + run("op" if lay.ac == "op" else "none") * (share.layers - ckpt))
+        if share.last:
+            seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu)
+        compute = seconds.total
+        parts.append(seconds)
         # TP with SP, per block: 2 all-gathers + 2 reduce-scatters of the activation forward,
         # the same in backward, and again forward for recomputed blocks; embedding and output
         # add one each way. Each moves (t-1)/t of the activation per GPU.
@@ -428,7 +519,8 @@ def estimate(job: Job, lay: Layout) -> Estimate:
         comm_bytes={"dp_shard": n_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
                     "tp": max(tp_bytes), "pp": max(pp_bytes), **({"cp": max(cp_bytes)} if cp > 1 else {})},
         times={"compute": compute, "tp": tp_time, "pp": pp_time, **({"cp": cp_time} if cp > 1 else {}),
-               "bubble": bubble, "fsdp": exposed, "optimizer": optimizer}, fsdp_comm_time=fsdp_time)
+               "bubble": bubble, "fsdp": exposed, "optimizer": optimizer}, fsdp_comm_time=fsdp_time,
+        compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
 
 
 def cp_exchange_bytes(m: ModelShape, s: int, b: int, t: int, cp: int) -> float:

@@ -419,6 +419,11 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
         report["seconds"] = time.perf_counter() - started
     finally:
         dist.destroy_process_group()
+    if card is not None:
+        from planning.hardware import CUDA_CONTEXT, runtime_bytes
+        groups = len(names)
+        report["runtime"] = {"context": CUDA_CONTEXT, "nccl": runtime_bytes(groups) - CUDA_CONTEXT,
+                             "communicators": groups, "total": runtime_bytes(groups)}
     if card is not None:  # after the fake world is gone: the planner's probe makes its own
         report.update(judge_fit(report["memory"]["total"], card, cfg, layout, model, world_size,
                                 gpus_per_node, rank))
@@ -485,6 +490,11 @@ def format_fit(report: dict) -> str:
     rule = f"{usable:.0f} GiB usable of {hbm:.0f} on a {report['gpu']}, {HEADROOM:.0%} kept for the CUDA context, NCCL and fragmentation"
     lines = [f"fits: peak {need:.1f} GiB in {rule}" if report["fits"] else
              f"does NOT fit: peak {need:.1f} GiB, {need - usable:.1f} GiB over the {rule}"]
+    if "runtime" in report:
+        rt = report["runtime"]
+        lines.append(f"of that headroom, what no trace sees: CUDA context {rt['context'] / GiB:.1f} GiB + NCCL buffers "
+                     f"{rt['nccl'] / GiB:.2f} GiB ({rt['communicators']} communicators) = {rt['total'] / GiB:.1f} GiB "
+                     f"(planning/hardware.py); the rest is for the allocator's reserve")
     if "estimate" in report:
         est = report["estimate"]
         planned = est["total"] / GiB

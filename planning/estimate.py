@@ -19,7 +19,7 @@ from models import registry
 from planning.cost import Estimate, Job, Layout, ModelShape, estimate
 from planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 
-AC_MODELLED = ("none", "selective", "full")
+AC_MODELLED = ("none", "selective", "full", "op")
 SCHEDULES_MODELLED = ("1F1B", "Interleaved1F1B")
 
 
@@ -34,7 +34,7 @@ def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu)
     if ac.mode not in AC_MODELLED or (ac.mode == "selective" and ac.selective_every != 2):
         raise NotModelled(f"[activation_checkpoint] mode = \"{ac.mode}\"" +
                           (f", selective_every = {ac.selective_every}" if ac.mode == "selective" else "") +
-                          ": the formulas know none, full, and selective with every 2nd block")
+                          ": the planner knows none, full, op, and selective with every 2nd block")
     if layout.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
         raise NotModelled(f"sharding strategy {layout.strategy}: the formulas assume FSDP shards the model")
     if layout.pipelined and layout.schedule not in SCHEDULES_MODELLED:
@@ -49,7 +49,8 @@ def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu)
                                       family=cfg.model.name, learned_positions=model.learned_positions())
     shape = dataclasses.replace(shape, n_layers=model_cfg.n_layers)  # [model] n_layers may override
     per_node = min(gpus_per_node, world_size)
-    job = Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size)
+    job = Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
+              compiled=cfg.compile.enable)
     dims = layout.dims
     lay = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
                  strategy=layout.strategy, ac=ac.mode,
@@ -106,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         from planning.plan import format_breakdown
 
         print(format_breakdown(e, gpu, f"{cfg.job.name} at {args.world_size} ranks on {gpu.name}"))
-        print(f"  throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%} (assumes "
-              f"{gpu.matmul_efficiency:.0%} of the bf16 peak for every matmul: an upper bound)")
+        print(f"  throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%}")
+        print(f"  error bands (docs/planning.md, Validation): memory within 10% of the dry run's trace "
+              f"over the tested grid; step time 7-14% optimistic against measured single-H100 runs, "
+              f"within 7% of Megatron-LM's pipelined runs, up to 31% optimistic for small GEMMs and "
+              f"41-76% against torchtitan's 500 W H100s")
     return 0
 
 

@@ -22,8 +22,14 @@ Assumptions, each used only to *rank* layouts, never to promise a number:
   and both the planner and the dry run keep `HEADROOM` (10%) free on top: "fits" means
   fits in `usable_bytes(gpu)`, one definition for both.
 - `hbm_bandwidth`: what a device-to-device copy reaches (measured on H100 and H200;
-  90% of spec assumed for the A100s). Only the optimizer step, which is memory-bound,
-  uses it.
+  90% of spec assumed for the A100s): the speed of the memory-bound work of a step
+  (element-wise ops, the fp32 loss, the optimizer; planning/kernels.py).
+- `attention_efficiency`: the fraction of the bf16 peak torch's flash attention
+  (FlashAttention-2 kernels) reaches, forward and backward: 35% on an H100, published
+  (Shah et al. 2024, "FlashAttention-3", abstract: "FlashAttention-2 achieving only 35%
+  utilization on the H100 GPU"); the same assumed for H200 (the same compute die) and the
+  other Hopper cards; 0.6 on A100 (Dao 2023, "FlashAttention-2": 50-73% of the A100's
+  peak forward, less backward). `bench/kernel_speeds.py` measures all three on a GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class GPU:
     nvlink_bandwidth: float      # bytes/s, one direction, per GPU
     internode_bandwidth: float   # bytes/s, one direction, per GPU (one NIC each)
     matmul_efficiency: float     # fraction of peak_bf16_flops a large matmul reaches
+    attention_efficiency: float = 0.35  # fraction of the peak flash attention reaches (see above)
     link_efficiency: float = 0.8
 
     @property
@@ -60,21 +67,38 @@ class GPU:
 
 
 # name: GPU(model, name in torch's device name, bf16 FLOP/s, memory, achievable copy bandwidth,
-#            NVLink one way, inter-node one way, matmul efficiency)
+#            NVLink one way, inter-node one way, matmul efficiency[, attention efficiency])
 GPUS: dict[str, GPU] = {
     "h100-80gb": GPU("H100 SXM 80GB", "H100", 989e12, 80 * GIB, 3.0e12, 900 * GB / 2, 400e9 / 8, 798 / 989),
     # PCIe cards: NVLink bridges join pairs only, so a node's TP group talks over PCIe Gen5 x16.
     "h100-pcie": GPU("H100 PCIe 80GB", "H100 PCIe", 756e12, 80 * GIB, 0.9 * 2.0e12, 64e9, 400e9 / 8, 0.8),
     "h100-nvl": GPU("H100 NVL 94GB", "H100 NVL", 835e12, 94 * GIB, 0.9 * 3.9e12, 64e9, 400e9 / 8, 0.8),
     "h200-141gb": GPU("H200 SXM 141GB", "H200", 989e12, 141 * GIB, 4.3e12, 900 * GB / 2, 400e9 / 8, 790 / 989),
-    "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8),
-    "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8),
+    "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6),
+    "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6),
 }
 # What the allocator's peak must leave free: the CUDA context and NCCL's buffers (neither
 # is a tensor, so neither is traced or estimated) and the caching allocator's rounding and
 # fragmentation. An assumption, not a measurement (bench/results' H100 runs measured the
 # allocated peak, 0.2-6.3% below the dry run's traced one, not what a job needs beyond it).
 HEADROOM = 0.10
+
+# What a GPU holds that no trace sees, named so the dry run and the estimate can say how
+# much of the headroom it takes. Neither is measured here; both are assumptions with sources.
+CUDA_CONTEXT = 0.5 * GIB        # the CUDA context, cuBLAS / cuDNN handles with lazy module loading
+#                                 (CUDA 12 on H100: a few hundred MiB; torch's docs note it is not in
+#                                 memory_allocated)
+NCCL_PER_COMMUNICATOR = 4 * 2**20 * 16 * 2   # NCCL_BUFFSIZE's default 4 MiB (NCCL docs) x 16
+#                                 channels (assumed) x send and receive, per communicator
+# The caching allocator reserves more than the peak it hands out: 10-30% more on one H100
+# (max_memory_reserved over max_memory_allocated, bench/results/2026-11-22_h100_run5.json:
+# +10% compiled with full AC, +25-30% eager). Reserved memory is reused before a new
+# allocation fails, so it is not added; it is why the headroom exists.
+
+
+def runtime_bytes(communicators: int) -> float:
+    """The CUDA context and NCCL's buffers for ``communicators`` process groups."""
+    return CUDA_CONTEXT + NCCL_PER_COMMUNICATOR * communicators
 
 
 def usable_bytes(gpu: "GPU") -> float:

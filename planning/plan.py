@@ -27,7 +27,7 @@ from planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 
 # Fraction of HBM left free for what the formulas do not count: the caching allocator's
 # fragmentation, the CUDA context, NCCL and cuBLAS workspaces.
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "full", "op")
 # (schedule, stages per rank). GPipe is left out: same bubble as 1F1B, more memory.
 PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
 # Context parallelism is tried from this sequence length on: below it a sequence's
@@ -168,6 +168,8 @@ def format_breakdown(e: Estimate, gpu, title: str = "Best") -> str:
         f"{dim} {b / 1e9:.1f}" for dim, b in e.comm_bytes.items()))
     lines.append("  step time, s:  " + "  ".join(f"{k} {v:.2f}" for k, v in e.times.items())
                  + f"  = {e.step_time:.2f}")
+    lines.append("  compute, s:  " + "  ".join(f"{k} {v:.2f}" for k, v in e.compute_split.items())
+                 + "  (matmuls, flash attention, memory-bound element-wise work: planning/kernels.py)")
     lines.append(f"  FSDP collectives take {e.fsdp_comm_time:.2f} s, {e.fsdp_comm_time / e.times['compute']:.0%} "
                  f"of the compute they are assumed to hide behind")
     return "\n".join(lines)
@@ -302,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     print(f"{job.model.family} {job.model.flavor} ({size} params) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
-          f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
-          f"assumed {gpu.matmul_efficiency:.0%} of it. Estimates, not measurements.")
+          f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: matmuls at {gpu.matmul_efficiency:.0%} "
+          f"of it, flash attention at {gpu.attention_efficiency:.0%}, memory-bound work at "
+          f"{gpu.hbm_bandwidth / 1e12:.1f} TB/s. Estimates, not measurements (docs/planning.md, Validation).")
     if not fitting and smallest is None:
         reasons = "; ".join(f"{why} ({n} layouts)" for why, n in rejected.most_common(3))
         raise PlanError(f"no valid layout for {job.world} GPUs: {reasons}")

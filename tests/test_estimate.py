@@ -33,8 +33,9 @@ def test_a_planner_written_config_is_estimated_as_the_search_ranked_it(tmp_path,
 
 
 def test_what_the_formulas_lack_is_refused_by_name(capsys):
-    with pytest.raises(NotModelled, match='mode = "op"'):
-        estimate_config(load_config("debug_2d", ["--activation_checkpoint.mode=op"]), 4, 8, H100)
+    with pytest.raises(NotModelled, match='mode = "selective", selective_every = 3'):
+        estimate_config(load_config("debug_2d", ["--activation_checkpoint.mode=selective",
+                                                 "--activation_checkpoint.selective_every=3"]), 4, 8, H100)
     assert main(["--config", "debug_2d", "--world-size", "3"]) == 2
     assert "--world-size 4" in capsys.readouterr().err
 

@@ -37,3 +37,16 @@ def test_cpu_mode_runs_every_section_and_writes_the_documented_json(tmp_path):
     table = (tmp_path / "gpu_check.md").read_text()
     assert "ours / baseline" in table and "predicted GiB" in table
 
+
+
+def test_kernel_speeds_cpu_smoke_run_writes_every_section(tmp_path):
+    """`python -m bench.kernel_speeds` (the planner's matmul, attention and memory speeds,
+    measured on a GPU) in its CPU smoke mode, so the GPU command does not rot."""
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.kernel_speeds", "--device", "cpu", "--quick",
+                           "--repeats", "2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["matmul"][0]["tflops"] > 0 and result["attention"][0]["tflops"] > 0
+    assert result["memory"]["copy_gbs"] > 0 and "rmsnorm_eager_gbs_as_counted" in result["memory"]
+    assert "attention seq 128" in proc.stdout

@@ -1,0 +1,208 @@
+"""Activation memory of a layout, measured by tracing a short copy of the model, not guessed.
+
+    profile = activation_profile(ProbeKey("llama", "70B", 128256, seq_len=8192, tp=8, ac="full"))
+    profile.blocks   # bytes one block keeps for its backward, per sequence
+
+The probe builds the model with two activation-checkpointing periods of blocks (2 blocks;
+4 for selective every 2), applies the real TP plan (sequence and loss parallel), the real
+AC wrapper and policy, casts to the compute dtype, and runs one sequence's forward, loss
+and backward on fake tensors on a fake process group of `tp` ranks -- the machinery of the
+dry run (planning/dry_run.py). Torch's memory tracker counts every tensor; module and
+gradient hooks read its counters at each block's boundary:
+
+    embed          the embedding's output (the first block's input)
+    blocks[j]      what block j of an AC period keeps from its forward to its backward
+    head           the final norm, output layer and loss: kept from forward to backward
+    head_working   the peak of the loss and head backward, above everything kept
+    block_working  the peak of one block's backward (recomputation, input gradients),
+                   above what is kept by it and the blocks before it
+    forward_extra  the forward's peak above what it keeps (the loss's fp32 copies)
+    stage_input    a later pipeline stage's input, [s/tp, dim] in the compute dtype
+
+All of it is per sequence: activations are proportional to the micro-batch (flash
+attention keeps no s x s term). Parameters and their gradients are not activations: the
+probe runs without FSDP and asks autograd for the activations' gradients only; FSDP's
+gathered units and gradients are counted in planning/cost.py from the parameter counts.
+Profiles are cached per key, so a search over hundreds of layouts traces each (sequence,
+tp, AC mode) once, in about a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+ACT_KINDS = ("Activation", "Temp", "Inputs", "Input")
+
+
+@dataclass(frozen=True)
+class ProbeKey:
+    family: str
+    flavor: str
+    vocab_size: int
+    seq_len: int
+    tp: int = 1
+    ac: str = "none"
+    ac_every: int = 2
+    dtype: str = "bfloat16"
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    embed: float
+    blocks: tuple[float, ...]
+    head: float
+    head_working: float
+    block_working: float
+    forward_extra: float
+    stage_input: float
+
+    def kept(self, n_blocks: int) -> float:
+        """What a stage of ``n_blocks`` keeps from its blocks: AC wraps every
+        ``period``-th block counting from each stage's first (parallel/activation_checkpoint.py)."""
+        period = len(self.blocks)
+        return sum(self.blocks[j % period] for j in range(n_blocks))
+
+
+def profile_for(model, seq_len: int, tp: int, ac: str) -> "ActivationProfile | None":
+    """The profile of a planner ModelShape's block at ``seq_len`` tokens per rank, or None
+    for a family that cannot build a short copy of itself from a flavor (hf)."""
+    from models import registry
+
+    family = registry.FAMILIES.get(model.family)
+    if family is None or model.flavor not in family.flavors:
+        return None
+    c = family.flavors[model.flavor]
+    if (c.dim, c.n_heads, c.ffn_hidden) != (model.dim, model.n_heads, model.ffn_hidden):
+        return None  # a config that changes the flavor's shape: the probe would trace another block
+    return activation_profile(ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac))
+
+
+def period_of(key: ProbeKey) -> int:
+    return key.ac_every if key.ac == "selective" else 1
+
+
+@lru_cache(maxsize=None)
+def activation_profile(key: ProbeKey) -> ActivationProfile:
+    """Trace the probe for ``key`` (see the module docstring); cached per key."""
+    import torch.distributed as dist
+
+    from planning.dry_run import init_fake_world, sharding_propagation_untracked
+
+    if dist.is_initialized():  # the probe needs a fake world of its own
+        raise RuntimeError("planning.activations traces on a fake process group of its own: call it "
+                           "outside a run, or after destroy_process_group()")
+    init_fake_world(0, key.tp)
+    try:
+        with sharding_propagation_untracked():
+            return _trace(key)
+    finally:
+        dist.destroy_process_group()
+
+
+def _probe_model(key: ProbeKey):
+    from models import registry
+    from parallel import ParallelDims, parallelize
+
+    family = registry.get(key.family)
+    overrides = {"vocab_size": key.vocab_size, "n_layers": 2 * period_of(key)}
+    if not family.learned_positions:  # as training.recipe.build_model sizes rotary tables
+        overrides["max_seq_len"] = key.seq_len
+    model = family.model_class().from_flavor(key.flavor, meta=True, **overrides)
+    model.to(getattr(torch, key.dtype))  # FSDP's mixed precision, without FSDP (on meta: free)
+    mesh = ParallelDims(tp=key.tp, dp_shard=1, world_size=key.tp).build_mesh("cpu")
+    return parallelize(model, mesh, sequence_parallel=key.sequence_parallel, loss_parallel=key.loss_parallel,
+                       activation_checkpoint=key.ac, ac_every=key.ac_every), model.cfg
+
+
+class _Levels:
+    """Reads the tracker: the bytes of activations now, and their peak since `mark`."""
+
+    def __init__(self, tracker):
+        self.tracker, self.peak = tracker, 0.0
+        original = tracker._update_peak_stats
+
+        def update(state, original=original):
+            self.peak = max(self.peak, self.now())
+            original(state)
+        tracker._update_peak_stats = update
+
+    def now(self) -> float:
+        snap = next(iter(self.tracker._curr_mem_snap.values()), {})
+        return float(sum(snap.get(k, 0) for k in ACT_KINDS))
+
+    def mark(self) -> float:
+        """The peak since the last mark; the next one starts from now."""
+        peak, self.peak = max(self.peak, self.now()), self.now()
+        return peak
+
+
+def _trace(key: ProbeKey) -> ActivationProfile:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from parallel import loss_parallel_context
+    from planning.dry_run import _peak_only
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from training.step import cross_entropy
+
+    model, cfg = _probe_model(key)
+    blocks = list(model.transformer_blocks().values())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        tracker = _peak_only(MemTracker)()
+        tracker.track_external(model)
+        levels = _Levels(tracker)
+        pre, post, phases, outputs, inputs = [], [], [], [], []
+        forward = [True]
+
+        def before(module, args):
+            if forward[0]:
+                pre.append(levels.now())
+                inputs.append(args[0])
+
+        def after(module, args, out):
+            if forward[0]:
+                post.append(levels.now())
+                outputs.append(out)
+
+        hooks = [b.register_forward_pre_hook(before) for b in blocks]
+        hooks += [b.register_forward_hook(after) for b in blocks]
+        tokens = torch.randint(0, cfg.vocab_size, (1, key.seq_len))
+        parallel_loss = key.tp > 1 and key.loss_parallel
+        with tracker, loss_parallel_context(parallel_loss):
+            start = levels.now()
+            levels.mark()
+            loss = cross_entropy(model(tokens), tokens)
+            end_of_forward = levels.now()
+            forward_peak = levels.mark()
+            forward[0] = False
+            for out in outputs:  # fires when the gradient of a block's output is complete:
+                out.register_hook(lambda grad: phases.append(levels.mark()))  # the blocks after it are done
+            # Activation gradients only, down to the first block's input: the parameters'
+            # gradients are FSDP's business (planning/cost.py counts them), and a
+            # backward that made them would mix them into every working set.
+            torch.autograd.grad(loss, inputs[0])
+            phases.append(levels.mark())  # the first block
+        for h in hooks:
+            h.remove()
+        del loss
+        inputs.clear()
+        outputs.clear()
+    n = len(blocks)
+    kept = [post[i] - pre[i] for i in range(n)]
+    embed = pre[0] - start
+    head = end_of_forward - post[-1]
+    # phases[0]: the head and loss backward; phases[k]: block n - k's backward.
+    head_working = phases[0] - end_of_forward
+    stack = lambda i: embed + sum(kept[: i + 1])  # kept by the embedding and blocks 0..i
+    block_working = max(phases[n - i] - start - stack(i) for i in range(n))
+    period = period_of(key)
+    act_seq = key.seq_len // key.tp if key.tp > 1 and key.sequence_parallel else key.seq_len
+    return ActivationProfile(
+        embed=embed, blocks=tuple(kept[period:2 * period]), head=head, head_working=head_working,
+        block_working=block_working, forward_extra=forward_peak - end_of_forward,
+        stage_input=act_seq * cfg.dim * getattr(torch, key.dtype).itemsize)

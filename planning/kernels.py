@@ -1,0 +1,111 @@
+"""Compute time of one micro-batch on one GPU, op class by op class, from kernel speeds.
+
+    t = block_seconds(model, tokens=8192, seq=8192, tp=1, cp=1, gpu=H100, recompute="none")
+    t.matmul, t.attention, t.memory      # seconds
+
+A step is not "the model FLOPs at one efficiency". Three classes of work run at three
+speeds, each kept per GPU in planning/hardware.py with where it comes from:
+
+- **matmuls** (the projections, the FFN, the output layer): 2 FLOPs per weight per token
+  forward, 4 backward, at `matmul_efficiency` of the bf16 peak (measured by
+  bench/gpu_check.py on an 8192^3 matmul).
+- **attention** (SDPA's flash kernel): forward 4 s^2 d FLOPs per head over the full
+  s x s, halved by the causal mask (the kernel skips masked tiles); backward 2.5 x the
+  forward (five matmuls against two, the convention of the FlashAttention papers'
+  benchmarks). At `attention_efficiency` of the peak: FlashAttention-2, which torch's
+  flash backend runs, reaches 35 % on an H100 (Shah et al. 2024, FlashAttention-3, abstract).
+- **memory-bound element-wise work** (norms, rotary, SwiGLU / GeLU, residual adds, layout
+  copies, the fp32 cross-entropy over the vocabulary): bytes moved at the GPU's measured
+  copy bandwidth. Counted per token from the block's ops (`_bytes_per_token`): eager runs
+  each op as its own kernel; torch.compile fuses each chain into one read and one write.
+
+Recomputation (AC) runs a block's forward again: all three for `full`, only the
+element-wise work for `op` (its policy saves matmul and attention outputs).
+Not modelled: kernel launch and Python overhead (hidden while the GPU has work queued),
+a matmul's efficiency falling for small shapes, power or clock limits below the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BF16 = 2
+FP32 = 4
+FA_BACKWARD = 2.5      # backward / forward FLOPs of flash attention (FlashAttention-2 paper's benchmark convention)
+# Bytes per element of an eager RMSNorm: the composite's fp32 passes (r2 w4, r4 w4, r4, r4 w4,
+# r4 w2, r2 w2). The measured gap between eager and compiled steps on an H100 (Llama 3 8B
+# shape, 10 layers, one 8192-token sequence: 36.9 ms per step, bench/results/2026-11-22_h100_run5.json)
+# is what this count predicts (34 ms), not what a fused norm's 4 bytes would (10 ms).
+RMS_NORM_EAGER = 40
+LOSS_BYTES = 36        # per logit: fp32 upcast, log-softmax (two reductions), its backward, the bf16 gradient
+
+
+@dataclass
+class Seconds:
+    matmul: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention + self.memory
+
+    def __add__(self, other: "Seconds") -> "Seconds":
+        return Seconds(self.matmul + other.matmul, self.attention + other.attention, self.memory + other.memory)
+
+    def __mul__(self, k: float) -> "Seconds":
+        return Seconds(self.matmul * k, self.attention * k, self.memory * k)
+
+
+def gated(m) -> bool:
+    """A SwiGLU block (three FFN matrices) rather than a GeLU one (two), from its size."""
+    h, kv, f = m.dim, m.kv_dim, m.ffn_hidden
+    attn = 2 * h * h + 2 * h * kv
+    return abs(m.layer_split - (attn + 3 * h * f)) < abs(m.layer_split - (attn + 2 * h * f))
+
+
+def _bytes_per_token(m, tp: int, compiled: bool) -> float:
+    """Element-wise bytes of one block's forward per token on one GPU (bf16; h width,
+    kv the kv width, f the FFN width, each / tp where TP splits it). Eager, one kernel per
+    op, each reading its inputs and writing its output: two norms (LayerNorm's fused kernel
+    4h; RMSNorm, which eager torch runs as its composite -- upcast, square, mean, rsqrt,
+    scale, weight, downcast -- 40h, `RMS_NORM_EAGER`), rotary on q and k (seven passes: 14 bytes per
+    element), the attention output's layout copy (4h), SwiGLU's SiLU and product (10f; GeLU
+    alone 4f), two residual adds (6h each). Compiled: norm and residual fused (8h each),
+    rotary in one pass (4 per element), the FFN activation in one (6f; GeLU 4f), the copy.
+    The backward moves about twice the forward's bytes (each op reads its saved inputs and
+    the incoming gradient and writes one gradient per input). Norms and residual adds run
+    on the sequence-sharded activations (sequence parallel): / tp as well."""
+    h, kv, f = m.dim, m.kv_dim, m.ffn_hidden
+    rotary = not m.max_positions  # learned positions (GPT-2): no rotary, LayerNorm
+    hs, kvs, fs = h / tp, kv / tp, f / tp
+    if compiled:
+        return 2 * 8 * hs + (4 * (hs + kvs) if rotary else 0) + 4 * hs + (6 if gated(m) else 4) * fs
+    norm = RMS_NORM_EAGER if rotary else 4
+    return 2 * norm * hs + (14 * (hs + kvs) if rotary else 0) + 4 * hs + (10 if gated(m) else 4) * fs + 2 * 6 * hs
+
+
+def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recompute: str,
+                  compiled: bool = False) -> Seconds:
+    """One block's forward and backward over ``tokens`` tokens of sequences of ``seq``
+    (this GPU holds seq / cp of each, and 1 / tp of the heads and FFN width).
+    ``recompute``: "none", "full" (the forward again), "op" (its element-wise work again)."""
+    peak = gpu.peak_bf16_flops
+    mm = 6 * m.layer_split / tp * tokens
+    head_dim = m.head_dim or m.dim // m.n_heads
+    # Each of this GPU's query heads attends over the whole causal sequence; under cp the
+    # all-to-all hands it every token of n_heads / (tp cp) heads: the same FLOPs per GPU.
+    attn_fwd = 4 * seq * head_dim * (m.n_heads / tp) * tokens / 2
+    mem = _bytes_per_token(m, tp, compiled) * tokens
+    passes = {"none": (3, 1 + FA_BACKWARD, 3), "full": (4, 2 + FA_BACKWARD, 4), "op": (3, 1 + FA_BACKWARD, 4)}
+    k_mm, k_attn, k_mem = passes[recompute]
+    return Seconds(matmul=mm * k_mm / 3 / (peak * gpu.matmul_efficiency),
+                   attention=attn_fwd * k_attn / (peak * gpu.attention_efficiency),
+                   memory=mem * k_mem / gpu.hbm_bandwidth)
+
+
+def head_seconds(m, *, tokens: float, tp: int, gpu) -> Seconds:
+    """The output layer's matmul and the fp32 cross-entropy over this GPU's vocabulary."""
+    out = (m.head_split if m.head_split else m.embedding) / tp
+    return Seconds(matmul=6 * out * tokens / (gpu.peak_bf16_flops * gpu.matmul_efficiency),
+                   memory=LOSS_BYTES * m.vocab / tp * tokens / gpu.hbm_bandwidth)

@@ -1,0 +1,51 @@
+"""The planner's step time against measured runs (bench/step_time_validation.py).
+
+Our own: bench/gpu_check.py's six bf16 runs on one H100 SXM (Llama 3 8B's block, eager and
+compiled, AC none / op / full; bench/results/2026-11-22_h100_run5.json) are estimated within
+15%, all optimistic (+7% to +14%). Running attention at the matmul's speed and leaving the
+memory-bound work out (near the flat model this replaced) puts them at +54% to +97%, and
+leaving only the eager RMSNorm's fp32 passes out puts two of the three eager runs at
++23% and +25%: the check fails for either.
+
+Published: Megatron-LM's weak-scaling rows with a pipeline are within 15%; the rows where
+the estimate misses (docs/planning.md names each cause) are pinned to the side they miss
+on, so a change that moves them is seen.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from planning.cost import estimate
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("step_time_validation", ROOT / "bench/step_time_validation.py")
+validation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(validation)
+
+
+def error(row) -> float:
+    return estimate(row["job"], row["layout"]).tokens_per_s_per_gpu / row["measured"] - 1
+
+
+@pytest.mark.parametrize("row", validation.ours(), ids=lambda r: r["run"])
+def test_within_15_percent_of_our_measured_h100_runs(row):
+    assert abs(error(row)) <= 0.15, f"{error(row):+.0%}"
+
+
+def test_megatron_pipeline_rows_within_15_percent_and_the_tp_only_rows_optimistic():
+    rows = validation.megatron()
+    assert len(rows) == 9
+    for row in rows:
+        if row["layout"].pp > 1:
+            assert abs(error(row)) <= 0.15, (row["run"], f"{error(row):+.0%}")
+        else:  # GEMM efficiency by shape is not modelled: the small models' matmuls run slower
+            assert 0 < error(row) < 0.35, (row["run"], f"{error(row):+.0%}")
+
+
+def test_torchtitan_rows_are_all_optimistic():
+    # Their H100s run at 500 W with HBM2e (peak "between SXM and NVL", their footnote): on
+    # our 700 W H100 the same block reaches 45.6% / 50.7% MFU, on theirs 33.7% / 39.0%.
+    for row in validation.torchtitan():
+        assert 0.3 < error(row) < 0.8, (row["run"], f"{error(row):+.0%}")
