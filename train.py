@@ -37,9 +37,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         from planning.dry_run import dry_run
 
-        report = dry_run(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", 1)), args.rank,
-                         args.gpus_per_node, gpu=args.gpu)
-        if report.get("fits") is False:
+        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+        report = dry_run(cfg, world_size, args.rank, args.gpus_per_node, gpu=args.gpu)
+        hangs = []
+        if args.check_collectives:
+            from planning.collective_check import check_collectives
+
+            hangs = check_collectives(cfg, world_size, args.gpus_per_node)
+        if report.get("fits") is False or hangs:
             raise SystemExit(1)
         return
     if int(os.environ.get("RANK", 0)) == 0:  # importing torch alone takes seconds on a busy node

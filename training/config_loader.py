@@ -359,7 +359,10 @@ def format_help() -> str:
     lines = ["usage: train.py [--config NAME_OR_PATH] [--print-config] [--debug] [--section.key VALUE ...]",
              "       train.py --config NAME --dry-run [--world-size N] [--rank R] [--gpus-per-node G] [--gpu h100-80gb]",
              "                (trace one step of rank R at world size N on a fake process group: mesh,",
-             "                 memory breakdown, communication; no GPU needed)", ""]
+             "                 memory breakdown, communication; no GPU needed)",
+             "       train.py --config NAME --dry-run --world-size N --check-collectives",
+             "                (and check that every process group's members issue the same collectives,",
+             "                 and every pipeline receive meets its send: no hang at launch)", ""]
     for name, cls in SECTIONS.items():
         lines.append(f"[{name}]")
         for f in fields(cls):
@@ -383,11 +386,12 @@ class CliArgs:
     rank: int = 0                     # --dry-run: whose view to trace
     gpus_per_node: int = 8            # --dry-run: to say which node each rank lands on
     gpu: str = ""                     # --dry-run: compare the peak with this GPU's memory
+    check_collectives: bool = False   # --dry-run: trace representative ranks, compare their collectives
     overrides: list[str] = field(default_factory=list)
 
 
 _FLAGS = ("--config NAME_OR_PATH", "--print-config", "--debug", "--dry-run", "--world-size N", "--rank R",
-          "--gpus-per-node G", "--gpu NAME")
+          "--gpus-per-node G", "--gpu NAME", "--check-collectives")
 _INT_FLAGS = {"--world-size": ("world_size", 1), "--rank": ("rank", 0), "--gpus-per-node": ("gpus_per_node", 1)}
 
 
@@ -417,7 +421,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, CliArgs]:
             if not value.isdecimal() or int(value) < least:  # isdigit() is true for "²"
                 raise ConfigError(f"{CLI}: {flag}={value} must be an integer >= {least}")
             setattr(args, name, int(value))
-        elif flag in ("--print-config", "--dry-run", "--debug"):
+        elif flag in ("--print-config", "--dry-run", "--debug", "--check-collectives"):
             if eq:
                 raise ConfigError(f"{CLI}: {flag} takes no value")
             setattr(args, flag[2:].replace("-", "_"), True)
@@ -427,6 +431,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, CliArgs]:
         else:
             args.overrides.append(token)
 
+    if args.check_collectives and not args.dry_run:
+        raise ConfigError(f"{CLI}: --check-collectives runs on the fake process group of a dry run: "
+                          f"add --dry-run --world-size N")
     path = find_config(config) if config is not None else None
     args.config_path = str(path) if path is not None else None
     return load_config(path, args.overrides), args
