@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from planning.dry_run import CountCollectives, _COLLECTIVES
+from planning.dry_run import CountCollectives
 
 
 @dataclass(frozen=True)
@@ -66,19 +66,12 @@ class RecordCollectives(CountCollectives):
         super().__init__(group_names)
         self.trace, self.members = trace, {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._overloadpacket.__name__
-        if func.namespace in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
-            kind, which = _COLLECTIVES[name]
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-            tensor = tensors[0] if which == "out" or len(tensors) == 1 or name in ("allreduce_", "broadcast_") \
-                else tensors[-1]
-            members = self._members(args)
-            self.trace.labels.setdefault(members, self._group(args)[0])
-            self.trace.calls.setdefault(members, []).append(
-                Call(kind, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), self.phase))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+    def on_collective(self, kind: str, payload: torch.Tensor, args) -> None:
+        members = self._members(args)
+        self.trace.labels.setdefault(members, self._group(args)[0])
+        self.trace.calls.setdefault(members, []).append(
+            Call(kind, tuple(payload.shape), str(payload.dtype).replace("torch.", ""), self.phase))
+        super().on_collective(kind, payload, args)
 
     def _members(self, args) -> tuple:
         from torch.distributed.distributed_c10d import _resolve_process_group

@@ -80,9 +80,12 @@ class CountCollectives(TorchDispatchMode):
             tensor = tensors[0] if which == "out" or len(tensors) == 1 else tensors[-1]
             if name in ("allreduce_", "broadcast_"):
                 tensor = tensors[0]
-            dim, n = self._group(args)
-            self.stats.add(dim, kind, tensor.numel() * tensor.element_size(), n, self.scale(dim, kind))
+            self.on_collective(kind, tensor, args)
         return func(*args, **(kwargs or {}))
+
+    def on_collective(self, kind: str, payload: torch.Tensor, args) -> None:
+        dim, n = self._group(args)
+        self.stats.add(dim, kind, payload.numel() * payload.element_size(), n, self.scale(dim, kind))
 
     def _group(self, args) -> tuple[str, int]:
         for a in args:
