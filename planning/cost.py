@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from planning.hardware import GPU
 from planning.kernels import block_seconds, head_seconds
-from planning.schedule import SUPPORTED, in_flight_at_peak, rank_actions
+from planning.schedule import SUPPORTED, in_flight_at_peak, makespan, rank_actions
 from parallel.pipeline import SCHEDULES, check_pipeline, stage_ids
 
 BF16, FP32 = 2, 4
@@ -486,7 +486,14 @@ def estimate(job: Job, lay: Layout) -> Estimate:
     compute, tp_time, pp_time, cp_time = (x * n_mb for x in per_mb[worst])
     busy = compute + tp_time + pp_time + cp_time
     # Bubble: fill and drain take (pp - 1) micro-batch slots, v times shorter when interleaved.
-    bubble = busy * (lay.pp - 1) / lay.stages_per_rank / n_mb if lay.pp > 1 else 0.0
+    # Bubble: play torch's own schedule out with this rank's times (planning/schedule.py),
+    # a backward twice a forward; for 1F1B that is fill and drain, (pp - 1) micro-batches.
+    bubble = 0.0
+    if lay.pp > 1 and lay.pp_schedule in SUPPORTED:
+        chunk = busy / n_mb / lay.stages_per_rank  # one micro-batch through one stage
+        bubble = makespan(lay.pp_schedule, lay.pp, lay.stages_per_rank, n_mb, chunk / 3, 2 * chunk / 3) - busy
+    elif lay.pp > 1:
+        bubble = busy * (lay.pp - 1) / lay.stages_per_rank / n_mb
 
     # FSDP on the rank with the most parameters. Ring collectives: each GPU sends (n-1)/n of
     # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.

@@ -140,3 +140,36 @@ def in_flight_at_peak(actions: list[Action], weight: dict[int, float],
             best = (held, dict(live), a.stage)
         live[a.stage] -= 1
     return best
+
+
+def makespan(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int,
+             forward: float, backward: float) -> float:
+    """The time torch's schedule takes when every forward of a stage takes ``forward`` and
+    every backward ``backward``: each pp rank runs its list in order, an action starting
+    when the rank is free and its input is there (the previous stage's forward of that
+    micro-batch; the next stage's backward, or its own forward on the last stage).
+    The step's idle time -- the bubble -- is what this adds to one rank's busy time."""
+    lists = rank_actions(schedule, pp, stages_per_rank, n_microbatches)
+    n_stages = pp * stages_per_rank
+    done: dict[tuple, float] = {}
+    free, pos = [0.0] * pp, [0] * pp
+    while any(p < len(lst) for p, lst in zip(pos, lists)):
+        moved = False
+        for r, actions in enumerate(lists):
+            while pos[r] < len(actions):
+                a = actions[pos[r]]
+                if a.kind == "F":
+                    need = ("F", a.stage - 1, a.microbatch) if a.stage > 0 else None
+                else:
+                    need = ("B", a.stage + 1, a.microbatch) if a.stage < n_stages - 1 else ("F", a.stage, a.microbatch)
+                if need is not None and need not in done:
+                    break
+                start = max(free[r], done[need] if need else 0.0)
+                free[r] = start + (forward if a.kind == "F" else backward)
+                done[(a.kind, a.stage, a.microbatch)] = free[r]
+                pos[r], moved = pos[r] + 1, True
+        if not moved:
+            raise RuntimeError(f"{schedule} (pp {pp}, {stages_per_rank} stages per rank, {n_microbatches} "
+                               f"micro-batches): the ranks' lists wait on each other")
+    return max(free)
+

@@ -3,7 +3,7 @@ methods): these pin what it returns, so a torch upgrade that changes it fails he
 
 import pytest
 
-from planning.schedule import Action, in_flight_at_peak, rank_actions, replay_prefix
+from planning.schedule import Action, in_flight_at_peak, makespan, rank_actions, replay_prefix
 
 
 def counts(actions):
@@ -81,3 +81,15 @@ def test_the_replayed_prefix_meets_the_peak_of_the_whole_list_and_drains(schedul
     long = rank_actions(schedule, pp, v, m)[0]
     if m >= 64:  # the warm-up and one round, not every micro-batch
         assert len(replay_prefix(long)) < len(long) // 3
+
+
+@pytest.mark.parametrize("schedule, pp, v, m", [("1F1B", 4, 1, 8), ("GPipe", 4, 1, 8), ("1F1B", 8, 1, 256),
+                                                ("Interleaved1F1B", 4, 2, 8), ("Interleaved1F1B", 8, 2, 32)])
+def test_playing_torchs_schedule_gives_the_textbook_bubble(schedule, pp, v, m):
+    """Forward 1, backward 2 per stage: fill and drain cost (pp - 1) micro-batch slots of
+    one rank's work, v times shorter when each rank holds v stages (Narayanan et al. 2021)."""
+    busy = m * v * (1 + 2)
+    assert makespan(schedule, pp, v, m, 1.0, 2.0) - busy == pytest.approx((pp - 1) * 3)
+    # Unequal forward and backward: 1F1B's fill is pp - 1 forwards, its drain pp - 1 backwards.
+    if schedule == "1F1B":
+        assert makespan(schedule, pp, v, m, 1.0, 5.0) == pytest.approx(m * 6 + (pp - 1) * 6)
