@@ -212,7 +212,7 @@ def play_schedule(layout) -> list[str]:
     each other: a forward waits for the previous stage's forward of its micro-batch, a
     backward for the next stage's backward; stages sit on the ranks `stage_ids` puts them."""
     from parallel.pipeline import stage_ids
-    from planning.schedule import SUPPORTED, rank_actions
+    from planning.schedule import SUPPORTED, Deadlock, play, rank_actions
 
     if layout.stage_layers is None:
         return []
@@ -229,24 +229,13 @@ def play_schedule(layout) -> list[str]:
                             f"stages {sorted(held)} ({layout.placement} placement)")
     if problems:
         return problems
-    done, pos = set(), [0] * pp
-    while any(p < len(lst) for p, lst in zip(pos, lists)):
-        moved = False
-        for r, actions in enumerate(lists):
-            while pos[r] < len(actions):
-                a = actions[pos[r]]
-                need = (("F", a.stage - 1, a.microbatch) if a.stage > 0 else None) if a.kind == "F" else \
-                    (("B", a.stage + 1, a.microbatch) if a.stage < n_stages - 1 else ("F", a.stage, a.microbatch))
-                if need is not None and need not in done:
-                    break
-                done.add((a.kind, a.stage, a.microbatch))
-                pos[r], moved = pos[r] + 1, True
-        if not moved:
-            waiting = [f"pp rank {r} at its {'forward' if lists[r][pos[r]].kind == 'F' else 'backward'} of stage "
-                       f"{lists[r][pos[r]].stage}, micro-batch {lists[r][pos[r]].microbatch}"
-                       for r in range(pp) if pos[r] < len(lists[r])]
-            return [f"the {layout.schedule} schedule deadlocks: " + "; ".join(waiting) + " wait for each other"]
-    return problems
+    try:
+        play(lists, n_stages)
+    except Deadlock as stuck:
+        waiting = [f"pp rank {r} at its {'forward' if a.kind == 'F' else 'backward'} of stage {a.stage}, "
+                   f"micro-batch {a.microbatch}" for r, a in stuck.waiting]
+        return [f"the {layout.schedule} schedule deadlocks: " + "; ".join(waiting) + " wait for each other"]
+    return []
 
 
 def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, ranks: list[int] | None = None,

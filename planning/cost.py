@@ -166,6 +166,8 @@ class RankShare:
     last: bool                      # holds the final norm and output
     inflight: float                 # (layer, micro-batch) activation sets alive at its peak
     head_inflight: int              # micro-batches whose loss is kept for backward (last stage)
+    stage_ids: tuple[int, ...] = (0,)   # its stages' global indices, in stage_layers' order
+    n_stages: int = 1                   # stages of the whole pipeline
 
     @property
     def layers(self) -> int:
@@ -194,7 +196,7 @@ def rank_shares(job: Job, lay: Layout) -> list[RankShare]:
         actions = rank_actions(lay.pp_schedule, pp, v, m)[r]
         inflight, live, _ = in_flight_at_peak(actions, {s: len(stages[s]) for s in ids})
         head = max(1, live.get(len(stages) - 1, 0))
-        shares.append(RankShare(sizes, 0 in ids, len(stages) - 1 in ids, inflight, head))
+        shares.append(RankShare(sizes, 0 in ids, len(stages) - 1 in ids, inflight, head, tuple(ids), len(stages)))
     return shares
 
 
@@ -344,17 +346,13 @@ def traced_memory(job: Job, lay: Layout, rank: int, share: RankShare, prof) -> M
         ]
         mem.grads, mem.transient, mem.activations = max(moments, key=sum)
         return mem
-    stages = check_pipeline(pp=lay.pp, n_layers=m.n_layers, schedule=lay.pp_schedule,
-                            stages_per_rank=lay.stages_per_rank, n_microbatches=lay.pp_microbatches,
-                            local_batch=lay.local_batch(job))
-    n_stages = len(stages)
     weight, working, after, running = {}, {}, {}, {}
-    for s in stage_ids(rank, lay.pp, n_stages, SCHEDULES[lay.pp_schedule][1]):
-        first, last = s == 0, s == n_stages - 1
-        weight[s] = b * ((prof.embed if first else prof.stage_input) + prof.kept(len(stages[s]))
+    for s, n in zip(share.stage_ids, share.stage_layers):
+        first, last = s == 0, s == share.n_stages - 1
+        weight[s] = b * ((prof.embed if first else prof.stage_input) + prof.kept(n)
                          + (prof.head if last else 0))
         working[s] = b * max(prof.block_working, prof.head_working if last else 0)
-        params = len(stages[s]) * block + first * embed + last * (0 if (m.tied and first) else head)
+        params = n * block + first * embed + last * (0 if (m.tied and first) else head)
         after[s] = FP32 * params + (0 if zero2 else BF16 * params)
         running[s] = 0 if zero2 else BF16 * (head if last else block)
     actions = rank_actions(lay.pp_schedule, lay.pp, lay.stages_per_rank, lay.pp_microbatches)[rank]

@@ -142,15 +142,20 @@ def in_flight_at_peak(actions: list[Action], weight: dict[int, float],
     return best
 
 
-def makespan(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int,
-             forward: float, backward: float) -> float:
-    """The time torch's schedule takes when every forward of a stage takes ``forward`` and
-    every backward ``backward``: each pp rank runs its list in order, an action starting
-    when the rank is free and its input is there (the previous stage's forward of that
-    micro-batch; the next stage's backward, or its own forward on the last stage).
-    The step's idle time -- the bubble -- is what this adds to one rank's busy time."""
-    lists = rank_actions(schedule, pp, stages_per_rank, n_microbatches)
-    n_stages = pp * stages_per_rank
+class Deadlock(RuntimeError):
+    """The ranks' lists wait on each other; ``waiting`` holds (pp rank, its next action)."""
+
+    def __init__(self, waiting: list[tuple[int, Action]]):
+        super().__init__(f"the ranks' lists wait on each other: {waiting}")
+        self.waiting = waiting
+
+
+def play(lists: list[list[Action]], n_stages: int, forward: float = 1.0, backward: float = 2.0) -> float:
+    """Run every pp rank's list against the others: an action starts when its rank is free
+    and its input is there (the previous stage's forward of that micro-batch; the next
+    stage's backward, or its own forward on the last stage); a forward takes ``forward``,
+    a backward ``backward``. Returns when the last rank finishes; raises `Deadlock`."""
+    pp = len(lists)
     done: dict[tuple, float] = {}
     free, pos = [0.0] * pp, [0] * pp
     while any(p < len(lst) for p, lst in zip(pos, lists)):
@@ -169,7 +174,14 @@ def makespan(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int,
                 done[(a.kind, a.stage, a.microbatch)] = free[r]
                 pos[r], moved = pos[r] + 1, True
         if not moved:
-            raise RuntimeError(f"{schedule} (pp {pp}, {stages_per_rank} stages per rank, {n_microbatches} "
-                               f"micro-batches): the ranks' lists wait on each other")
+            raise Deadlock([(r, lists[r][pos[r]]) for r in range(pp) if pos[r] < len(lists[r])])
     return max(free)
 
+
+def makespan(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int,
+             forward: float, backward: float) -> float:
+    """The time torch's schedule takes when every forward of a stage takes ``forward`` and
+    every backward ``backward`` (`play` over its lists). The step's idle time -- the
+    bubble -- is what this adds to one rank's busy time."""
+    return play(rank_actions(schedule, pp, stages_per_rank, n_microbatches), pp * stages_per_rank,
+                forward, backward)
