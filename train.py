@@ -21,8 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-from training.config import ConfigError
-from training.config_loader import config_to_toml, parse_args
+from meshtrain.training.config import ConfigError
+from meshtrain.training.config_loader import config_to_toml, parse_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,13 +35,13 @@ def main(argv: list[str] | None = None) -> None:
         print(config_to_toml(cfg), end="")
         return
     if args.dry_run:
-        from planning.dry_run import dry_run
+        from meshtrain.planning.dry_run import dry_run
 
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
         report = dry_run(cfg, world_size, args.rank, args.gpus_per_node, gpu=args.gpu)
         hangs = []
         if args.check_collectives:
-            from planning.collective_check import check_collectives
+            from meshtrain.planning.collective_check import check_collectives
 
             hangs = check_collectives(cfg, world_size, args.gpus_per_node)
         if report.get("fits") is False or hangs:
@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallel import mesh_coordinate, shutdown_distributed
-    from training import recipe
-    from training.console import announce, say_done, say_nothing_to_do, say_stopped
-    from training.data import build_dataloader, build_tokenizer
-    from training.faults import (CollectiveFailure, GracefulStop, describe_collective_failure,
+    from meshtrain.parallel import mesh_coordinate, shutdown_distributed
+    from meshtrain.training import recipe
+    from meshtrain.training.console import announce, say_done, say_nothing_to_do, say_stopped
+    from meshtrain.training.data import build_dataloader, build_tokenizer
+    from meshtrain.training.faults import (CollectiveFailure, GracefulStop, describe_collective_failure,
                                  is_collective_failure, set_collective_timeout, skip_or_stop, step_phase)
-    from training.metrics import (MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token,
+    from meshtrain.training.metrics import (MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token,
                                   set_aside_earlier_run)
 
     t = cfg.training
@@ -167,9 +167,9 @@ def tell_torchrun(message: str) -> None:
 def exit_code(err: Exception) -> int | None:
     if isinstance(err, ConfigError):  # decided before anything imported torch
         return 2
-    from parallel import LayoutError
-    from training.checkpoint import CheckpointError
-    from training.faults import CollectiveFailure, NonFiniteError
+    from meshtrain.parallel import LayoutError
+    from meshtrain.training.checkpoint import CheckpointError
+    from meshtrain.training.faults import CollectiveFailure, NonFiniteError
 
     if isinstance(err, (LayoutError, CheckpointError)):
         return 2

@@ -29,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FILE_BYTES = 32 << 20  # corpus files of this size: several per size, like a real dump
 STEPS, SEQ_LEN, BATCH = 20, 2048, 64
@@ -87,7 +86,7 @@ def train_bpe(docs: list[str], vocab: int, path: Path) -> str:
 
 
 def time_prepare(corpus: Path, out: Path, tokenizer: str, workers: int) -> float:
-    from training.prepare_data import prepare
+    from meshtrain.training.prepare_data import prepare
 
     t0 = time.perf_counter()
     index = prepare([str(corpus)], str(out), tokenizer, workers=workers, progress=False)
@@ -108,9 +107,9 @@ def child(dataset: str, path: str) -> None:
     """Runs in a fresh process: start-up to first batch, data memory, loader tokens/s."""
     from types import SimpleNamespace
 
-    import training.data  # noqa: F401  (imports are not data: counted in the baseline)
-    import training.token_files  # noqa: F401
-    from training.data import build_dataloader
+    import meshtrain.training.data  # noqa: F401  (imports are not data: counted in the baseline)
+    import meshtrain.training.token_files  # noqa: F401
+    from meshtrain.training.data import build_dataloader
 
     def rss(field):
         return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))

@@ -36,15 +36,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout, no install
 
-import torch  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+import torch
+from torch.distributed.device_mesh import init_device_mesh
 
-from bench import throughput  # noqa: E402
-from parallel.mesh import shutdown_distributed
-from planning.hardware import GIB  # noqa: E402
-from training.metrics import device_peak_flops, flops_per_token  # noqa: E402
+from bench import throughput
+from meshtrain.parallel.mesh import shutdown_distributed
+from meshtrain.planning.hardware import GIB
+from meshtrain.training.metrics import device_peak_flops, flops_per_token
 
 # name -> (activation checkpointing, compile, float8)
 ROWS = {
@@ -251,7 +250,7 @@ def run_rows(args, layers: int, mesh, device, deadline: float, env: dict, profil
         row = {"name": name, "ac": ac, "compile": compiled, "float8": float8}
         rows.append(row)
         if float8:
-            from parallel.float8 import float8_unavailable
+            from meshtrain.parallel.float8 import float8_unavailable
             reason = float8_unavailable(device.type)
             if reason:
                 row["skipped"] = reason

@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
               "matmul": matmuls(device, dtype, args.quick, args.repeats),
               "attention": attention(device, dtype, args.quick, args.repeats),
               "memory": memory(device, dtype, args.quick, args.repeats)}
-    from planning.hardware import gpu_of_device
+    from meshtrain.planning.hardware import gpu_of_device
 
     gpu = gpu_of_device(name)
     for row in result["matmul"]:

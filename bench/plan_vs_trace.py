@@ -13,16 +13,13 @@ planner's +-10% target is checked against. No GPU; tens of seconds per 70B trace
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel.mesh import LayoutError  # noqa: E402
-from planning.cost import Job, estimate  # noqa: E402
-from planning.hardware import GIB, get_gpu, usable_bytes  # noqa: E402
-from planning.plan import AC_MODES, candidates, check_layout, describe, resolve_model, trace  # noqa: E402
+from meshtrain.parallel.mesh import LayoutError
+from meshtrain.planning.cost import Job, estimate
+from meshtrain.planning.hardware import GIB, get_gpu, usable_bytes
+from meshtrain.planning.plan import AC_MODES, candidates, check_layout, describe, resolve_model, trace
 
 
 def main() -> None:

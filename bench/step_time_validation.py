@@ -15,14 +15,12 @@ import argparse
 import dataclasses
 import signal
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from planning.cost import Job, Layout, ModelShape, estimate  # noqa: E402
-from planning.hardware import get_gpu  # noqa: E402
+from meshtrain.planning.cost import Job, Layout, ModelShape, estimate
+from meshtrain.planning.hardware import get_gpu
 
 H100 = get_gpu("h100-80gb")
 RUN5 = ROOT / "bench/results/2026-11-22_h100_run5.json"
@@ -36,7 +34,7 @@ def llama(flavor: str, n_layers: int | None = None) -> ModelShape:
 def megatron_gpt(dim: int, heads: int, layers: int) -> ModelShape:
     """Megatron's GPT of the weak-scaling table: 4h GeLU MLP, multi-head attention,
     learned positions, untied output layer, vocabulary 131,072, sequence 4,096."""
-    from models.gpt2.model import GPT2
+    from meshtrain.models.gpt2.model import GPT2
 
     m = GPT2.from_flavor("124M", meta=True, dim=dim, n_heads=heads, n_layers=1, vocab_size=131_072,
                          max_seq_len=4096, tie_embeddings=False)

@@ -34,13 +34,11 @@ import functools
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
 
 import torch
 import torch.distributed as dist
@@ -51,15 +49,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from models.llama import Llama
-from parallel import AC_MODES, mixed_precision_policy, parallelize, shutdown_distributed, submesh
-from parallel.float8 import apply_float8
-from planning.hardware import GIB
-from training.config import DTYPES
-from training.metrics import (TrackedActivations, device_peak_flops, flops_per_token, memory_stats,
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import AC_MODES, mixed_precision_policy, parallelize, shutdown_distributed, submesh
+from meshtrain.parallel.float8 import apply_float8
+from meshtrain.planning.hardware import GIB
+from meshtrain.training.config import DTYPES
+from meshtrain.training.metrics import (TrackedActivations, device_peak_flops, flops_per_token, memory_stats,
                               reset_peak_rss)
-from training.optim import build_optimizer
-from training.step import compile_loss, train_step
+from meshtrain.training.optim import build_optimizer
+from meshtrain.training.step import compile_loss, train_step
 
 
 

@@ -55,8 +55,8 @@ def read_groups(degrees: dict[str, int]) -> tuple[dict[str, list[tuple[int, ...]
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parallel.fsdp import resolve_strategy
-    from parallel.mesh import ParallelDims, submesh
+    from meshtrain.parallel.fsdp import resolve_strategy
+    from meshtrain.parallel.mesh import ParallelDims, submesh
 
     found: dict[str, set[tuple[int, ...]]] = {}
     for rank in range(WORLD):
@@ -165,8 +165,8 @@ def section_doc(cls) -> str:
 
 
 def config_md() -> str:
-    from training.config import SECTIONS, choices, default_of
-    from training.config_loader import _toml_value, describe_accepted
+    from meshtrain.training.config import SECTIONS, choices, default_of
+    from meshtrain.training.config_loader import _toml_value, describe_accepted
 
     out = [
         "# Config reference",

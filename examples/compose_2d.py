@@ -9,17 +9,14 @@ them print the same losses (up to float rounding).
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
 
 import torch
 import torch.distributed as dist
 
-from models.llama import Llama
-from parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
-from training.step import train_step
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
+from meshtrain.training.step import train_step
 
 STEPS, BATCH, SEQ = 10, 8, 64  # BATCH is the global batch, split over data-parallel ranks
 

@@ -9,20 +9,17 @@ It trains on the same batch as examples/compose_2d.py and prints the same losses
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from examples.compose_2d import BATCH, STEPS, fixed_batch
-from models.llama import Llama
-from parallel import (SCHEDULES, ParallelDims, build_schedule, mesh_coordinate, parallelize,
+from compose_2d import BATCH, STEPS, fixed_batch
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import (SCHEDULES, ParallelDims, build_schedule, mesh_coordinate, parallelize,
                       shutdown_distributed, split_into_stages, split_layers, submesh)
-from training.step import pipeline_loss_fn, pipeline_train_step
+from meshtrain.training.step import pipeline_loss_fn, pipeline_train_step
 
 
 def main():

@@ -8,10 +8,7 @@ ParallelStyle) and the block class that becomes one FSDP unit per instance.
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
 
 import torch
 import torch.distributed as dist
@@ -19,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
-from training.step import train_step
+from meshtrain.parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
+from meshtrain.training.step import train_step
 
 STEPS, BATCH, SEQ, VOCAB = 10, 8, 64, 256
 

@@ -11,20 +11,17 @@ after that each stage is parallelized like any model (TP plan + block class), an
 """
 
 import argparse
-import sys
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from examples.custom_model_2d import BATCH, STEPS, TP_PLAN, Block, TinyLM, fixed_tokens
-from parallel import (ParallelDims, build_schedule, mesh_coordinate, parallelize, split_into_stages,
+from custom_model_2d import BATCH, STEPS, TP_PLAN, Block, TinyLM, fixed_tokens
+from meshtrain.parallel import (ParallelDims, build_schedule, mesh_coordinate, parallelize, split_into_stages,
                       shutdown_distributed, split_layers, submesh)
-from training.step import pipeline_loss_fn, pipeline_train_step
+from meshtrain.training.step import pipeline_loss_fn, pipeline_train_step
 
 
 class Stage(nn.Module):

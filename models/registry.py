@@ -46,12 +46,12 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", "Llama 3 (rotary positions, GQA, SwiGLU)", "models.llama.config:LlamaConfig",
-           "models.llama.model:Llama", hf="models.llama.hf"),
-    Family("gpt2", "GPT-2 / GPT-3 shapes (learned positions, tied embeddings)", "models.gpt2.config:GPT2Config",
-           "models.gpt2.model:GPT2", learned_positions=True, high_precision=("lm_head",)),
-    Family("hf", "any Hugging Face causal LM, built from [model] hf_config", "models.hf.config:HFConfig",
-           "models.hf.model:HFModel", hf="models.hf.weights", high_precision=("lm_head",)),
+    Family("llama", "Llama 3 (rotary positions, GQA, SwiGLU)", "meshtrain.models.llama.config:LlamaConfig",
+           "meshtrain.models.llama.model:Llama", hf="meshtrain.models.llama.hf"),
+    Family("gpt2", "GPT-2 / GPT-3 shapes (learned positions, tied embeddings)", "meshtrain.models.gpt2.config:GPT2Config",
+           "meshtrain.models.gpt2.model:GPT2", learned_positions=True, high_precision=("lm_head",)),
+    Family("hf", "any Hugging Face causal LM, built from [model] hf_config", "meshtrain.models.hf.config:HFConfig",
+           "meshtrain.models.hf.model:HFModel", hf="meshtrain.models.hf.weights", high_precision=("lm_head",)),
 )}
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from parallel.init import canonical_name
+from meshtrain.parallel.init import canonical_name
 
 
 def tensor_files(hf_dir: Path) -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """meshtrain.parallel: compose FSDP2, tensor parallelism and pipelining over one DeviceMesh.
 
-    from parallel import ParallelDims, parallelize
+    from meshtrain.parallel import ParallelDims, parallelize
     mesh = ParallelDims(dp_shard=-1, tp=2).build_mesh()
     model = parallelize(model, mesh, sharding_strategy="FULL_SHARD")
 
@@ -12,11 +12,11 @@ Knows no model: a model brings its TP plan (`tp_plan()`) and FSDP units (`fsdp_u
 or the caller passes them.
 """
 
-from parallel.activation_checkpoint import AC_MODES, apply_ac, apply_compile
-from parallel.fsdp import STRATEGIES, apply_fsdp, fsdp_mesh, mixed_precision_policy, resolve_strategy
-from parallel.grad_clip import clip_grad_norm_
-from parallel.init import init_param_, materialize
-from parallel.mesh import (
+from meshtrain.parallel.activation_checkpoint import AC_MODES, apply_ac, apply_compile
+from meshtrain.parallel.fsdp import STRATEGIES, apply_fsdp, fsdp_mesh, mixed_precision_policy, resolve_strategy
+from meshtrain.parallel.grad_clip import clip_grad_norm_
+from meshtrain.parallel.init import init_param_, materialize
+from meshtrain.parallel.mesh import (
     DIM_NAMES,
     LayoutError,
     ParallelDims,
@@ -27,11 +27,11 @@ from parallel.mesh import (
     shutdown_distributed,
     submesh,
 )
-from parallel.parallelize import parallelize
-from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages, split_layers, stage_ids
-from parallel.tensor_parallel import apply_tp, loss_parallel_context
-from parallel.tied import TiedWeights, tie_across_stages
-from parallel.wrap import modules_to_wrap
+from meshtrain.parallel.parallelize import parallelize
+from meshtrain.parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages, split_layers, stage_ids
+from meshtrain.parallel.tensor_parallel import apply_tp, loss_parallel_context
+from meshtrain.parallel.tied import TiedWeights, tie_across_stages
+from meshtrain.parallel.wrap import modules_to_wrap
 
 __all__ = [
     "AC_MODES", "apply_ac", "apply_compile", "DIM_NAMES", "STRATEGIES", "LayoutError", "ParallelDims", "apply_fsdp", "apply_tp",

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from parallel.mesh import LayoutError
+from meshtrain.parallel.mesh import LayoutError
 
 
 class SequenceSplit:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from parallel.mesh import LayoutError, submesh
+from meshtrain.parallel.mesh import LayoutError, submesh
 
 # FSDP2 warns whenever a unit returns a view (a TP-sharded embedding does) because an
 # in-place op on it would skip a backward hook. Our models only combine activations

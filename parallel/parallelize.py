@@ -10,13 +10,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from parallel.activation_checkpoint import apply_ac, apply_compile
-from parallel.async_tp import async_tp_unavailable, enable_async_tp
-from parallel.context_parallel import apply_cp
-from parallel.fsdp import apply_fsdp, fsdp_mesh, resolve_strategy
-from parallel.mesh import check_tp_fits, submesh, with_one_rank_dp
-from parallel.tensor_parallel import apply_tp
-from parallel.wrap import modules_to_wrap
+from meshtrain.parallel.activation_checkpoint import apply_ac, apply_compile
+from meshtrain.parallel.async_tp import async_tp_unavailable, enable_async_tp
+from meshtrain.parallel.context_parallel import apply_cp
+from meshtrain.parallel.fsdp import apply_fsdp, fsdp_mesh, resolve_strategy
+from meshtrain.parallel.mesh import check_tp_fits, submesh, with_one_rank_dp
+from meshtrain.parallel.tensor_parallel import apply_tp
+from meshtrain.parallel.wrap import modules_to_wrap
 
 
 def parallelize(

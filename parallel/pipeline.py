@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.mesh import LayoutError
+from meshtrain.parallel.mesh import LayoutError
 
 # name -> (stages per rank: "one", "any" or an exact number; placement style)
 SCHEDULES: dict[str, tuple[object, str]] = {

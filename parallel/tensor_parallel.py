@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, loss_parallel,
                                               parallelize_module)
 
-from parallel.init import retie, tied_parameter_names
-from parallel.mesh import LayoutError
+from meshtrain.parallel.init import retie, tied_parameter_names
+from meshtrain.parallel.mesh import LayoutError
 
 # The modules ColwiseParallel / RowwiseParallel know how to split: they shard the weight
 # as torch stores it, [out, in] for a Linear and [vocab, dim] for an Embedding. Anything

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from parallel.init import canonical_name
+from meshtrain.parallel.init import canonical_name
 
 
 @dataclass

@@ -71,7 +71,7 @@ class ActivationProfile:
 def profile_for(model, seq_len: int, tp: int, ac: str) -> "ActivationProfile | None":
     """The profile of a planner ModelShape's block at ``seq_len`` tokens per rank, or None
     for a family that cannot build a short copy of itself from a flavor (hf)."""
-    from models import registry
+    from meshtrain.models import registry
 
     family = registry.FAMILIES.get(model.family)
     if family is None or model.flavor not in family.flavors:
@@ -91,7 +91,7 @@ def activation_profile(key: ProbeKey) -> ActivationProfile:
     """Trace the probe for ``key`` (see the module docstring); cached per key."""
     import torch.distributed as dist
 
-    from planning.dry_run import init_fake_world, sharding_propagation_untracked
+    from meshtrain.planning.dry_run import init_fake_world, sharding_propagation_untracked
 
     if dist.is_initialized():  # the probe needs a fake world of its own
         raise RuntimeError("planning.activations traces on a fake process group of its own: call it "
@@ -105,8 +105,8 @@ def activation_profile(key: ProbeKey) -> ActivationProfile:
 
 
 def _probe_model(key: ProbeKey):
-    from models import registry
-    from parallel import ParallelDims, parallelize
+    from meshtrain.models import registry
+    from meshtrain.parallel import ParallelDims, parallelize
 
     family = registry.get(key.family)
     overrides = {"vocab_size": key.vocab_size, "n_layers": 2 * period_of(key)}
@@ -144,10 +144,10 @@ class _Levels:
 def _trace(key: ProbeKey) -> ActivationProfile:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from parallel import loss_parallel_context
-    from planning.dry_run import _peak_only
+    from meshtrain.parallel import loss_parallel_context
+    from meshtrain.planning.dry_run import _peak_only
     from torch.distributed._tools.mem_tracker import MemTracker
-    from training.step import cross_entropy
+    from meshtrain.training.step import cross_entropy
 
     model, cfg = _probe_model(key)
     blocks = list(model.transformer_blocks().values())

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from planning.dry_run import CountCollectives
+from meshtrain.planning.dry_run import CountCollectives
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class RecordCollectives(CountCollectives):
 # ---------------------------------------------------------------- which ranks
 
 def coordinates(dims, rank: int) -> dict[str, int]:
-    from parallel.mesh import DIM_NAMES
+    from meshtrain.parallel.mesh import DIM_NAMES
 
     out = {}
     for name in reversed(DIM_NAMES):  # the last dimension varies fastest
@@ -108,7 +108,7 @@ def coordinates(dims, rank: int) -> dict[str, int]:
 
 
 def rank_of(dims, coords: dict[str, int]) -> int:
-    from parallel.mesh import DIM_NAMES
+    from meshtrain.parallel.mesh import DIM_NAMES
 
     rank = 0
     for name in DIM_NAMES:
@@ -119,7 +119,7 @@ def rank_of(dims, coords: dict[str, int]) -> int:
 def representatives(dims) -> list[int]:
     """Every pp coordinate (others at 0); the last coordinate of each other dimension of
     size > 1 (others at 0); the world's last rank."""
-    from parallel.mesh import DIM_NAMES
+    from meshtrain.parallel.mesh import DIM_NAMES
 
     ranks = [rank_of(dims, {"pp": p}) for p in range(dims.pp)]
     ranks += [rank_of(dims, {d: getattr(dims, d) - 1}) for d in DIM_NAMES[1:] if getattr(dims, d) > 1]
@@ -131,7 +131,7 @@ def representatives(dims) -> list[int]:
 
 def one_microbatch(stage_ids: list[int]) -> list:
     """Each local stage's forward of micro-batch 0, then their backwards in reverse."""
-    from planning.schedule import Action
+    from meshtrain.planning.schedule import Action
 
     return [Action("F", s, 0) for s in stage_ids] + [Action("B", s, 0) for s in reversed(stage_ids)]
 
@@ -140,8 +140,8 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int) -> tuple[Ran
     """Record the collectives of one training step of ``rank`` (and its layout)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from planning.dry_run import build_rank, init_fake_world, mesh_group_names, trace_step
-    from training import recipe
+    from meshtrain.planning.dry_run import build_rank, init_fake_world, mesh_group_names, trace_step
+    from meshtrain.training import recipe
 
     init_fake_world(rank, world_size)
     try:
@@ -211,8 +211,8 @@ def play_schedule(layout) -> list[str]:
     """Run every pp rank's list of forwards and backwards (torch's schedule IR) against
     each other: a forward waits for the previous stage's forward of its micro-batch, a
     backward for the next stage's backward; stages sit on the ranks `stage_ids` puts them."""
-    from parallel.pipeline import stage_ids
-    from planning.schedule import SUPPORTED, Deadlock, play, rank_actions
+    from meshtrain.parallel.pipeline import stage_ids
+    from meshtrain.planning.schedule import SUPPORTED, Deadlock, play, rank_actions
 
     if layout.stage_layers is None:
         return []

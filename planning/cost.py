@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planning.hardware import GPU
-from planning.kernels import block_seconds, head_seconds
-from planning.schedule import SUPPORTED, in_flight_at_peak, makespan, rank_actions
-from parallel.pipeline import SCHEDULES, check_pipeline, stage_ids
+from meshtrain.planning.hardware import GPU
+from meshtrain.planning.kernels import block_seconds, head_seconds
+from meshtrain.planning.schedule import SUPPORTED, in_flight_at_peak, makespan, rank_actions
+from meshtrain.parallel.pipeline import SCHEDULES, check_pipeline, stage_ids
 
 BF16, FP32 = 2, 4
 
@@ -70,7 +70,7 @@ class ModelShape:
 
     @classmethod
     def from_flavor(cls, flavor: str, vocab_size: int | None = None, family: str = "llama") -> "ModelShape":
-        from models import registry
+        from meshtrain.models import registry
 
         # One block is enough to count a block; the layer count comes from the flavor.
         overrides = {"vocab_size": vocab_size} if vocab_size else {}
@@ -289,7 +289,7 @@ def memory_per_gpu(job: Job, lay: Layout) -> Memory:
     """Peak bytes per GPU on the worst pipeline rank (the one with the largest total).
     Activations come from a traced probe of two blocks (planning/activations.py) where the
     family can build one; otherwise from the formulas above."""
-    from planning.activations import profile_for
+    from meshtrain.planning.activations import profile_for
 
     prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac)
     worst = None
@@ -433,7 +433,7 @@ class Estimate:
 
 
 def estimate(job: Job, lay: Layout) -> Estimate:
-    from training.metrics import flops_per_token  # the FLOPs train.py reports MFU with
+    from meshtrain.training.metrics import flops_per_token  # the FLOPs train.py reports MFU with
 
     m, gpu, s, b, t, cp = job.model, job.gpu, job.seq_len, lay.micro_batch, lay.tp, lay.cp
     g, n_mb = job.gpus_per_node, lay.micro_batches(job)
@@ -534,7 +534,7 @@ def cp_exchange_bytes(m: ModelShape, s: int, b: int, t: int, cp: int) -> float:
     over cp; parallel.context_parallel.kv_repeats), for seq / cp tokens, bf16."""
     if cp == 1:
         return 0.0
-    from parallel.context_parallel import kv_repeats
+    from meshtrain.parallel.context_parallel import kv_repeats
 
     head_dim = m.head_dim or m.dim // m.n_heads
     repeats = kv_repeats(m.n_heads // t, m.kv_dim // head_dim // t, cp)

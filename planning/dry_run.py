@@ -30,8 +30,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planning.hardware import GIB as GiB
-from planning.hardware import HEADROOM
+from meshtrain.planning.hardware import GIB as GiB
+from meshtrain.planning.hardware import HEADROOM
 
 
 # ---------------------------------------------------------------- communication
@@ -218,8 +218,8 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
     counted once per micro-batch. Under a pipeline ``actions`` (default: this rank's
     schedule, up to its last new state) are the forwards and backwards run. ``comm.phase`` names the
     part of the step running, for reports. Returns what was traced, in words."""
-    from parallel import clip_grad_norm_, loss_parallel_context, submesh
-    from training.step import cross_entropy
+    from meshtrain.parallel import clip_grad_norm_, loss_parallel_context, submesh
+    from meshtrain.training.step import cross_entropy
 
     t = cfg.training
     local, accum = layout.local_batch, layout.grad_accum
@@ -259,7 +259,7 @@ def pipeline_actions(layout, stage_ids: list[int]) -> list:
     peak may come late (a replay cut right after every stage's first backward missed 7 of
     45 GiB on Llama 3 8B, pp 2 interleaved). For a schedule without an F/B model, each
     stage's in-flight forwards then their backwards, one stage after another."""
-    from planning.schedule import SUPPORTED, Action, rank_actions, replay_prefix
+    from meshtrain.planning.schedule import SUPPORTED, Action, rank_actions, replay_prefix
 
     pp, n_micro = layout.dims.pp, layout.n_microbatches
     if layout.schedule in SUPPORTED and layout.placement == "loop":
@@ -276,8 +276,8 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     """Replay this rank's forwards and backwards (see `pipeline_actions`). As torch's
     PipelineStage does, FSDP neither reshards nor reduces after a backward until the
     stage's last one, so every local stage's unsharded gradients accumulate meanwhile."""
-    from parallel import loss_parallel_context
-    from training.step import cross_entropy
+    from meshtrain.parallel import loss_parallel_context
+    from meshtrain.training.step import cross_entropy
 
     t, n_micro, accum = cfg.training, layout.n_microbatches, layout.grad_accum
     n_stages, mb, seq = len(layout.stage_layers), layout.local_batch // layout.n_microbatches, activation_seq(cfg, layout)
@@ -358,8 +358,8 @@ def init_fake_world(rank: int, world_size: int) -> None:
 
 def build_rank(cfg, world_size: int, gpus_per_node: int):
     """(model, layout, mesh, parts) of this rank, as train.py builds them, on meta."""
-    from parallel.grad_clip import _whole_group
-    from training import recipe
+    from meshtrain.parallel.grad_clip import _whole_group
+    from meshtrain.training import recipe
 
     cfg.job.device = "cpu"  # fake tensors live on the CPU; the layout checks are the same
     model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
@@ -380,12 +380,12 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     the reference tests check the fake trace against."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from parallel.mesh import LayoutError
-    from training import recipe
+    from meshtrain.parallel.mesh import LayoutError
+    from meshtrain.training import recipe
 
     card = None
     if gpu:
-        from planning.hardware import get_gpu
+        from meshtrain.planning.hardware import get_gpu
         try:
             card = get_gpu(gpu)
         except KeyError as err:
@@ -428,7 +428,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     finally:
         dist.destroy_process_group()
     if card is not None:
-        from planning.hardware import CUDA_CONTEXT, runtime_bytes
+        from meshtrain.planning.hardware import CUDA_CONTEXT, runtime_bytes
         groups = len(names)
         report["runtime"] = {"context": CUDA_CONTEXT, "nccl": runtime_bytes(groups) - CUDA_CONTEXT,
                              "communicators": groups, "total": runtime_bytes(groups)}
@@ -444,9 +444,9 @@ def judge_fit(peak: int, card, cfg, layout, model, world_size: int, gpus_per_nod
     """Fits by the planner's rule (planning.hardware.usable_bytes: the same headroom), and
     the planner's own estimate of this very layout beside the trace, so a planner-written
     config's dry run says whether the two agree."""
-    from planning.cost import estimate
-    from planning.estimate import NotModelled, planner_layout
-    from planning.hardware import usable_bytes
+    from meshtrain.planning.cost import estimate
+    from meshtrain.planning.estimate import NotModelled, planner_layout
+    from meshtrain.planning.hardware import usable_bytes
 
     out = {"gpu": card.name, "capacity": card.hbm_bytes, "usable": usable_bytes(card),
            "fits": peak <= usable_bytes(card)}

@@ -15,9 +15,9 @@ import dataclasses
 import json
 import sys
 
-from models import registry
-from planning.cost import Estimate, Job, Layout, ModelShape, estimate
-from planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+from meshtrain.models import registry
+from meshtrain.planning.cost import Estimate, Job, Layout, ModelShape, estimate
+from meshtrain.planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 
 AC_MODELLED = ("none", "selective", "full", "op")
 SCHEDULES_MODELLED = ("1F1B", "Interleaved1F1B")
@@ -63,7 +63,7 @@ def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu)
 def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:
     """Build the config's model on meta and resolve its layout as train.py does (every
     check applies), then estimate it. Raises NotModelled for what the formulas lack."""
-    from training import recipe
+    from meshtrain.training import recipe
 
     model = recipe.build_model(cfg, tokenizer_vocab=1)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
@@ -80,9 +80,9 @@ def as_dict(e: Estimate, gpu) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.config import ConfigError
-    from training.config_loader import load_config
-    from parallel import LayoutError
+    from meshtrain.training.config import ConfigError
+    from meshtrain.training.config_loader import load_config
+    from meshtrain.parallel import LayoutError
 
     ap = argparse.ArgumentParser(prog="python -m planning.estimate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a configs/ name or a TOML file")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(as_dict(e, gpu), indent=1))
     else:
-        from planning.plan import format_breakdown
+        from meshtrain.planning.plan import format_breakdown
 
         print(format_breakdown(e, gpu, f"{cfg.job.name} at {args.world_size} ranks on {gpu.name}"))
         print(f"  throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%}")

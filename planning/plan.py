@@ -19,11 +19,11 @@ import math
 import sys
 from collections import Counter
 
-from parallel.context_parallel import check_cp_fits
-from parallel.fsdp import check_strategy
-from parallel.mesh import LayoutError, ParallelDims, check_tp_fits
-from planning.cost import Estimate, Job, Layout, ModelShape, estimate, memory_per_gpu
-from planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+from meshtrain.parallel.context_parallel import check_cp_fits
+from meshtrain.parallel.fsdp import check_strategy
+from meshtrain.parallel.mesh import LayoutError, ParallelDims, check_tp_fits
+from meshtrain.planning.cost import Estimate, Job, Layout, ModelShape, estimate, memory_per_gpu
+from meshtrain.planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 
 # Fraction of HBM left free for what the formulas do not count: the caching allocator's
 # fragmentation, the CUDA context, NCCL and cuBLAS workspaces.
@@ -43,7 +43,7 @@ class PlanError(ValueError):
 
 def resolve_model(name: str) -> ModelShape:
     """A Llama flavor ("70B", "llama3_70b") or any family's as "family:flavor" ("gpt2:175B")."""
-    from models import registry
+    from meshtrain.models import registry
 
     family, _, flavor = name.rpartition(":")
     family = family or "llama"
@@ -216,8 +216,8 @@ def trace(e: Estimate, job: Job) -> dict:
     import tempfile
     from pathlib import Path
 
-    from planning.dry_run import dry_run
-    from training.config_loader import load_config
+    from meshtrain.planning.dry_run import dry_run
+    from meshtrain.training.config_loader import load_config
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "traced.toml"

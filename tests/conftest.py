@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: dict | None = None,
@@ -42,7 +41,7 @@ def dry_run_refusal(*argv: str) -> str:
 
     import torch.distributed as dist
 
-    import train
+    from meshtrain import train
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

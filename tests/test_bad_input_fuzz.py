@@ -48,11 +48,11 @@ import torch.distributed as dist  # noqa: E402
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import parallel.mesh  # noqa: E402
-import train  # noqa: E402
-from models.llama import Llama  # noqa: E402
-from training.config import PP_SCHEDULES, SECTIONS, choices  # noqa: E402
-from training.config_loader import CONFIGS_DIR, available_configs, describe_accepted, tomllib  # noqa: E402
+import meshtrain.parallel.mesh as parallel_mesh  # noqa: E402
+from meshtrain import train  # noqa: E402
+from meshtrain.models.llama import Llama  # noqa: E402
+from meshtrain.training.config import PP_SCHEDULES, SECTIONS, choices  # noqa: E402
+from meshtrain.training.config_loader import CONFIGS_DIR, available_configs, describe_accepted, tomllib  # noqa: E402
 
 # A bad config must be refused within this many seconds (CI shares 2 cores; a refusal
 # takes ~10 ms, the debug model on meta included).
@@ -120,7 +120,7 @@ def invoke(argv: list[str], world_size: int | None = None) -> Outcome:
             mp.setenv("RANK", "0")
             mp.setenv("LOCAL_RANK", "0")
         mp.setattr(dist, "init_process_group", _tripwire("init_process_group"))
-        mp.setattr(parallel.mesh, "init_device_mesh", _tripwire("init_device_mesh"))
+        mp.setattr(parallel_mesh, "init_device_mesh", _tripwire("init_device_mesh"))
         mp.setattr(Llama, "init_weights", _tripwire("Llama.init_weights"))
         start = time.perf_counter()
         try:

@@ -12,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, torchrun
-from training.checkpoint import complete_checkpoints
+from meshtrain.training.checkpoint import complete_checkpoints
 
 STEPS = 12
 DP2_TP2 = ("--parallelism.dp_shard=2", "--parallelism.tp=2")
@@ -130,11 +130,11 @@ def test_incomplete_and_half_written_folders_are_not_checkpoints(tmp_path):
 
 def test_training_starts_from_a_hugging_face_folder(tmp_path):
     """Fine-tuning a released model: the first loss is that of the Hugging Face weights."""
-    from models.llama.hf import save_hf
-    from training import recipe
-    from training.config_loader import load_config
-    from training.data import build_dataloader, build_tokenizer
-    from training.step import cross_entropy
+    from meshtrain.models.llama.hf import save_hf
+    from meshtrain.training import recipe
+    from meshtrain.training.config_loader import load_config
+    from meshtrain.training.data import build_dataloader, build_tokenizer
+    from meshtrain.training.step import cross_entropy
 
     cfg = load_config("debug_2d", args(tmp_path, "hf", "--parallelism.dp_shard=1", "--parallelism.tp=1")[2:])
     model = recipe.build_model(cfg, build_tokenizer("byte").vocab_size)
@@ -175,8 +175,8 @@ def test_a_checkpoint_of_another_experiment_is_refused_unless_told_to_resume(out
 def test_a_key_the_schema_gained_or_lost_since_the_save_is_no_difference():
     """A checkpoint written before [model] n_layers existed (and with [job] debug, since
     removed) resumes; a real change of setting is still named."""
-    from training.checkpoint import config_differences
-    from training.config_loader import config_to_toml, load_config
+    from meshtrain.training.checkpoint import config_differences
+    from meshtrain.training.config_loader import config_to_toml, load_config
 
     now = config_to_toml(load_config("debug_2d"))
     then = now.replace("n_layers = 0\n", "").replace("[job]\n", "[job]\ndebug = false\n")

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, torchrun
-from training.checkpoint import complete_checkpoints
-from training.checkpoint_reader import damage
+from meshtrain.training.checkpoint import complete_checkpoints
+from meshtrain.training.checkpoint_reader import damage
 
 ONE = ("--parallelism.dp_shard=1", "--parallelism.tp=1")
 

@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from tests.conftest import ROOT
-from training.checkpoint_reader import read_index
+from meshtrain.training.checkpoint_reader import read_index
 
 ARGS = ["--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.steps=2",
         "--training.seq_len=32", "--checkpoint.enable=true", "--checkpoint.interval=2"]
@@ -81,7 +81,7 @@ def test_a_truncated_index_is_refused_with_its_path(checkpoint, tmp_path):
 
 
 def test_pickled_hugging_face_weights_are_refused_with_how_to_convert(tmp_path):
-    from models.safetensors_files import tensor_files
+    from meshtrain.models.safetensors_files import tensor_files
 
     (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps(_RunsACommand(tmp_path / "code_ran")))
     with pytest.raises(FileNotFoundError, match="pytorch_model.bin: pickled weights.*safetensors"):
@@ -92,7 +92,7 @@ def test_pickled_hugging_face_weights_are_refused_with_how_to_convert(tmp_path):
 def test_a_safetensors_index_may_not_point_outside_its_folder(tmp_path):
     import json
 
-    from models.safetensors_files import tensor_files
+    from meshtrain.models.safetensors_files import tensor_files
 
     index = {"weight_map": {"model.embed_tokens.weight": "../elsewhere/model-00001.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))

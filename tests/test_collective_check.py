@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train
-from planning.collective_check import (RankTrace, check_collectives, compare_stage_boundaries,
+from meshtrain import train
+from meshtrain.planning.collective_check import (RankTrace, check_collectives, compare_stage_boundaries,
                                        coordinates, play_schedule, representatives)
-from planning.schedule import Action
+from meshtrain.planning.schedule import Action
 from tests.conftest import ROOT
-from training.config_loader import load_config
+from meshtrain.training.config_loader import load_config
 
 # Each shipped config at the world size it is written for (its comments and docs say so).
 SHIPPED = {"debug_2d": 4, "debug_3d": 8, "gpt2_debug_3d": 8, "hf_debug": 4, "llama3_8b": 8,
@@ -48,7 +48,7 @@ def test_representatives_share_every_group_of_rank_zero_at_512_ranks():
 
 def _plant(monkeypatch, collective):
     """Llama's attention calls ``collective(rank)`` after each forward: the rank-dependent model."""
-    from models.llama import model as llama
+    from meshtrain.models.llama import model as llama
 
     original = llama.Attention.forward
 
@@ -124,7 +124,7 @@ def test_stages_placed_where_the_schedule_does_not_run_them_are_reported():
 
 
 def test_a_schedule_whose_ranks_wait_on_each_other_is_reported(monkeypatch):
-    import planning.schedule as schedule
+    import meshtrain.planning.schedule as schedule
 
     crossed = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
                [Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1)]]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from training.config import PP_SCHEDULES, SECTIONS, ConfigError, JobConfig, choices, default_of
-from training.config_loader import (CONFIGS_DIR, config_to_dict, config_to_toml, format_help, load_config,
+from meshtrain.training.config import PP_SCHEDULES, SECTIONS, ConfigError, JobConfig, choices, default_of
+from meshtrain.training.config_loader import (CONFIGS_DIR, config_to_dict, config_to_toml, format_help, load_config,
                                     parse_args, tomllib, validate)
 
 
@@ -98,7 +98,7 @@ def test_a_flavor_of_the_other_family_is_refused_naming_both_keys():
 def test_pipeline_schedules_match_parallel_and_the_installed_torch():
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from parallel.pipeline import SCHEDULES
+    from meshtrain.parallel.pipeline import SCHEDULES
     assert tuple(SCHEDULES) == PP_SCHEDULES
     for name in PP_SCHEDULES:
         get_schedule_class(name)  # raises for a name this torch does not have

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from parallel.context_parallel import kv_repeats
+from meshtrain.parallel.context_parallel import kv_repeats
 from tests import oracle, train_oracle
 from tests.conftest import dry_run_refusal, torchrun
 
@@ -136,8 +136,8 @@ def test_dry_run_of_the_128k_config_counts_the_closed_form_all_to_all_bytes():
     """llama3_8b_128k at 8 ranks (cp 4 x tp 2): each of 32 layers exchanges q, k, v and the
     output -- [1, 131072/4, heads/2, 128] bf16 for q and the output, kv heads/2 for k and
     v -- once in forward, once in the recomputed forward (full AC) and once in backward."""
-    from planning.dry_run import dry_run
-    from training.config_loader import load_config
+    from meshtrain.planning.dry_run import dry_run
+    from meshtrain.training.config_loader import load_config
 
     cfg = load_config("llama3_8b_128k")
     report = dry_run(cfg, world_size=8, rank=0, gpus_per_node=8, gpu="h100-80gb", quiet=True)
@@ -149,8 +149,8 @@ def test_dry_run_of_the_128k_config_counts_the_closed_form_all_to_all_bytes():
     assert sent == payload * (cp - 1) / cp
     assert report["fits"], report["memory"]["total"] / 2**30
     # The planner's formulas (planning/cost.py) count the same bytes, and memory near the trace.
-    from planning.estimate import estimate_config
-    from planning.hardware import get_gpu
+    from meshtrain.planning.estimate import estimate_config
+    from meshtrain.planning.hardware import get_gpu
 
     e = estimate_config(cfg, 8, 8, get_gpu("h100-80gb"))
     assert math.isclose(e.comm_bytes["cp"], sent, rel_tol=1e-9), (e.comm_bytes["cp"], sent)
@@ -209,9 +209,9 @@ def test_a_hugging_face_model_refuses_cp_naming_why(tmp_path):
 
 
 def test_the_planner_tries_cp_for_long_sequences_only_and_writes_it(tmp_path):
-    from planning.hardware import get_gpu
-    from planning.plan import Job, plan, resolve_model, to_toml
-    from training.config_loader import load_config
+    from meshtrain.planning.hardware import get_gpu
+    from meshtrain.planning.plan import Job, plan, resolve_model, to_toml
+    from meshtrain.training.config_loader import load_config
 
     job = Job(resolve_model("8B"), get_gpu("h100-80gb"), nodes=1, gpus_per_node=8, seq_len=131072, global_batch=1)
     fitting, _, _ = plan(job)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from training.config import ConfigError
-from training.data import (
+from meshtrain.training.config import ConfigError
+from meshtrain.training.data import (
     ByteTokenizer,
     DataLoader,
     build_dataloader,
@@ -188,7 +188,7 @@ def test_hf_tokenizer_needs_package(tmp_path, monkeypatch):
 def test_hf_tokenizer_eos_choice(tmp_path, monkeypatch):
     """The EOS lookup order, against a stand-in for tokenizers.Tokenizer."""
     import sys
-    from training.data import HFTokenizer
+    from meshtrain.training.data import HFTokenizer
 
     class FakeTokenizer:
         vocab = {}

@@ -10,10 +10,10 @@ from dataclasses import fields
 import pytest
 
 from docs import generate
-from parallel import ParallelDims, submesh
+from meshtrain.parallel import ParallelDims, submesh
 from tests.conftest import ROOT
-from training.config import SECTIONS
-from training.metrics import MetricsLogger
+from meshtrain.training.config import SECTIONS
+from meshtrain.training.metrics import MetricsLogger
 
 REGENERATE = "python -m docs.generate"
 

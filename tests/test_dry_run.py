@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from training.config_loader import load_config
-from planning.dry_run import GiB, dry_run, format_fit
-from planning.plan import run as plan_run
+from meshtrain.training.config_loader import load_config
+from meshtrain.planning.dry_run import GiB, dry_run, format_fit
+from meshtrain.planning.plan import run as plan_run
 
 
 def model_states(report) -> int:

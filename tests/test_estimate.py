@@ -6,11 +6,11 @@ import tomllib
 
 import pytest
 
-from planning.cost import Job, estimate
-from planning.estimate import NotModelled, estimate_config, main
-from planning.hardware import get_gpu
-from planning.plan import candidates, resolve_model, to_toml
-from training.config_loader import load_config
+from meshtrain.planning.cost import Job, estimate
+from meshtrain.planning.estimate import NotModelled, estimate_config, main
+from meshtrain.planning.hardware import get_gpu
+from meshtrain.planning.plan import candidates, resolve_model, to_toml
+from meshtrain.training.config_loader import load_config
 
 H100 = get_gpu("h100-80gb")
 

@@ -11,7 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, torchrun
-from training.checkpoint import complete_checkpoints
+from meshtrain.training.checkpoint import complete_checkpoints
 
 STEPS = 16
 DP2_TP2 = ("--parallelism.dp_shard=2", "--parallelism.tp=2")

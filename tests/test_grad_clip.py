@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.grad_clip import clip_grad_norm_
+from meshtrain.parallel.grad_clip import clip_grad_norm_
 
 
 def _inputs():

@@ -16,8 +16,8 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import transformers  # a dev dependency: the conversion is checked against its forward
 
-from models.llama import Llama  # noqa: E402
-from models.llama.hf import (  # noqa: E402
+from meshtrain.models.llama import Llama  # noqa: E402
+from meshtrain.models.llama.hf import (  # noqa: E402
     config_from_hf,
     config_to_hf,
     from_hf_name,
@@ -28,10 +28,10 @@ from models.llama.hf import (  # noqa: E402
     save_hf,
     to_hf_name,
 )
-from models.llama.model import LlamaConfig  # noqa: E402
-from parallel import ParallelDims, parallelize  # noqa: E402
+from meshtrain.models.llama.model import LlamaConfig  # noqa: E402
+from meshtrain.parallel import ParallelDims, parallelize  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
-from training.export import main as export_main  # noqa: E402
+from meshtrain.training.export import main as export_main  # noqa: E402
 
 # GQA, and Llama 3.1 rope scaling whose original length puts the head's four frequencies
 # in all three regimes (kept, blended, divided by factor).

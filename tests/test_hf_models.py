@@ -19,12 +19,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from parallel import LayoutError, ParallelDims, parallelize
-from parallel.init import canonical_name
+from meshtrain.parallel import LayoutError, ParallelDims, parallelize
+from meshtrain.parallel.init import canonical_name
 from tests.conftest import train_layouts
 from tests.oracle import assert_clipping_binds, assert_matches, run_oracle
 from tests.workers import hf_models
-from training.step import pipeline_loss_fn, train_step
+from meshtrain.training.step import pipeline_loss_fn, train_step
 
 
 @pytest.fixture(scope="module")

@@ -129,8 +129,8 @@ def test_tp_plan_styles_that_cannot_be_translated_are_named(tmp_path):
 
 def test_a_tp_plan_from_the_toml_replaces_the_architectures(tmp_path):
     qwen3 = str(write_config(tmp_path / "qwen3", "qwen3"))
-    from training import recipe
-    from training.config_loader import parse_args
+    from meshtrain.training import recipe
+    from meshtrain.training.config_loader import parse_args
 
     cfg, _ = parse_args(["--config", "hf_debug", f"--model.hf_config={qwen3}",
                          "--model.hf_tp_plan=layers.*.mlp.up_proj=colwise,layers.*.mlp.down_proj=rowwise"])
@@ -189,8 +189,8 @@ def test_initial_hf_weights_load_sharded_and_give_transformers_loss(tmp_path):
     import torch.nn.functional as F
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from training.config_loader import parse_args
-    from training.data import build_dataloader
+    from meshtrain.training.config_loader import parse_args
+    from meshtrain.training.data import build_dataloader
 
     folder = write_config(tmp_path / "qwen2", "qwen2")
     torch.manual_seed(7)
@@ -215,9 +215,9 @@ def test_export_reloads_in_transformers_with_the_trained_models_logits(tmp_path)
     meshtrain's model holding the checkpoint's weights."""
     from transformers import AutoModelForCausalLM
 
-    from models.hf.model import build_hf
-    from training.checkpoint import complete_checkpoints
-    from training.export import model_tensors
+    from meshtrain.models.hf.model import build_hf
+    from meshtrain.training.checkpoint import complete_checkpoints
+    from meshtrain.training.export import model_tensors
 
     folder = write_config(tmp_path / "qwen2", "qwen2")
     proc = torchrun("train.py", "--config", "hf_debug", f"--model.hf_config={folder}", "--training.steps=3",

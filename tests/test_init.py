@@ -7,9 +7,9 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from models.llama import Llama
-from parallel import ParallelDims, parallelize
-from parallel.init import param_seed
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import ParallelDims, parallelize
+from meshtrain.parallel.init import param_seed
 from tests.conftest import ROOT
 
 
@@ -54,8 +54,8 @@ def test_meta_then_init_equals_eager_init():
 _PEAK_MEMORY_SCRIPT = """
 import resource, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from models.llama import Llama
-from parallel import ParallelDims, parallelize
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import ParallelDims, parallelize
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
 model = Llama.from_flavor("debug", meta=True, dim=1024, n_layers=8, n_heads=16, n_kv_heads=8,
                           ffn_hidden=4096, vocab_size=65536)

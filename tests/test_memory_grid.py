@@ -18,9 +18,9 @@ with its fp32 gradients accumulating from its first backward to the step's end).
 
 import pytest
 
-from planning.cost import Job, Layout, estimate
-from planning.hardware import GIB, get_gpu
-from planning.plan import resolve_model, trace
+from meshtrain.planning.cost import Job, Layout, estimate
+from meshtrain.planning.hardware import GIB, get_gpu
+from meshtrain.planning.plan import resolve_model, trace
 
 H100 = get_gpu("h100-80gb")
 

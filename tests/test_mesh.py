@@ -3,7 +3,7 @@ every validation error, checked on a fake process group at real cluster sizes.""
 
 import pytest
 
-from parallel import LayoutError, ParallelDims, check_tp_fits, fsdp_mesh, mesh_coordinate, submesh
+from meshtrain.parallel import LayoutError, ParallelDims, check_tp_fits, fsdp_mesh, mesh_coordinate, submesh
 
 
 def group_of(mesh, name):
@@ -49,7 +49,7 @@ def test_degree_one_dimensions_are_left_out_of_the_mesh(fake_world):
     (dict(pp=4, dp_shard=1), ("pp", "dp_shard")),
 ])
 def test_a_one_rank_dp_dimension_goes_in_its_place_for_fsdp_without_data_parallelism(fake_world, dims, names):
-    from parallel.mesh import with_one_rank_dp
+    from meshtrain.parallel.mesh import with_one_rank_dp
 
     fake_world(4, rank=1)
     mesh = ParallelDims(**dims).build_mesh("cpu")

@@ -1,7 +1,7 @@
 import torch
 
-from planning.hardware import gpu_of_device
-from training.metrics import (
+from meshtrain.planning.hardware import gpu_of_device
+from meshtrain.training.metrics import (
     MetricsLogger,
     device_peak_flops,
     flops_per_token,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from training.optim import build_lr_scheduler, build_optimizer, lr_lambda
+from meshtrain.training.optim import build_lr_scheduler, build_optimizer, lr_lambda
 
 
 def sched(**kw):

@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from training import recipe
-from models.llama import Llama
-from parallel import LayoutError, submesh
-from parallel.pipeline import SCHEDULES, check_pipeline, split_into_stages, split_layers, stage_ids
+from meshtrain.training import recipe
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import LayoutError, submesh
+from meshtrain.parallel.pipeline import SCHEDULES, check_pipeline, split_into_stages, split_layers, stage_ids
 from tests.conftest import ROOT
-from training.config_loader import load_config
+from meshtrain.training.config_loader import load_config
 
 
 def test_thirty_layers_on_four_stages_put_the_extra_layers_in_the_middle():
@@ -114,7 +114,7 @@ def test_llama405b_3d_builds_at_512_ranks_with_each_stage_on_its_ranks(fake_worl
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_tied_weights_split_over_stages_start_as_equal_copies(family):
-    from models.gpt2 import GPT2
+    from meshtrain.models.gpt2 import GPT2
 
     cls, embed, out = (Llama, "tok_embeddings.weight", "output.weight") if family == "llama" else \
         (GPT2, "wte.weight", "lm_head.weight")

@@ -9,20 +9,20 @@ import sys
 
 import pytest
 
-from training import recipe
-from models.llama import Llama
-from parallel import ParallelDims, check_tp_fits
-from planning.cost import (BF16, FP32, Job, Layout, ModelShape, estimate, fsdp2_model_states, fsdp_rounds,
+from meshtrain.training import recipe
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import ParallelDims, check_tp_fits
+from meshtrain.planning.cost import (BF16, FP32, Job, Layout, ModelShape, estimate, fsdp2_model_states, fsdp_rounds,
                            layer_activation_bytes, memory_per_gpu, rank_local_params, rank_shares,
                            zero_model_states)
-from parallel.fsdp import check_strategy
-from planning.hardware import GIB, get_gpu
-from parallel.pipeline import check_pipeline
-from planning.hardware import HEADROOM
-from planning.plan import plan, resolve_model, run, to_toml
+from meshtrain.parallel.fsdp import check_strategy
+from meshtrain.planning.hardware import GIB, get_gpu
+from meshtrain.parallel.pipeline import check_pipeline
+from meshtrain.planning.hardware import HEADROOM
+from meshtrain.planning.plan import plan, resolve_model, run, to_toml
 from tests.conftest import ROOT
-from training.config_loader import load_config
-from training.metrics import flops_per_token
+from meshtrain.training.config_loader import load_config
+from meshtrain.training.metrics import flops_per_token
 
 H100 = get_gpu("h100-80gb")
 
@@ -276,7 +276,7 @@ def test_verify_dry_runs_the_top_layouts_and_reranks_by_traced_memory(capsys, mo
     # The real dry run on a small model: each verified layout gets a traced peak.
     job = Job(resolve_model("1B"), H100, nodes=1, gpus_per_node=4, seq_len=1024, global_batch=4)
     fitting, _, _ = plan(job)
-    from planning.plan import verify
+    from meshtrain.planning.plan import verify
 
     kept = verify(fitting[:2], job)
     lines = [line for line in capsys.readouterr().out.splitlines() if "traced" in line]
@@ -285,10 +285,10 @@ def test_verify_dry_runs_the_top_layouts_and_reranks_by_traced_memory(capsys, mo
 
     # A layout whose trace does not fit drops behind one whose trace does, and a trace
     # far from the estimate is flagged.
-    import planning.dry_run
+    import meshtrain.planning.dry_run as planning_dry_run
 
     peaks = iter([100 * GIB, fitting[1].memory.total])
-    monkeypatch.setattr(planning.dry_run, "dry_run",
+    monkeypatch.setattr(planning_dry_run, "dry_run",
                         lambda *a, **k: {"memory": {"total": next(peaks)}, "seconds": 0.0})
     assert verify(fitting[:2], job) == [fitting[1], fitting[0]]
     out = capsys.readouterr().out

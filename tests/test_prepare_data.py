@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from training import prepare_data, prepare_units
-from training.config import ConfigError
-from training.data import DataLoader, build_dataloader, load_tokens
-from training.prepare_data import main, prepare, verify
-from training.shuffle import permute, round_keys
-from training.token_files import TokenFileLoader, TokenFiles
+from meshtrain.training import prepare_data, prepare_units
+from meshtrain.training.config import ConfigError
+from meshtrain.training.data import DataLoader, build_dataloader, load_tokens
+from meshtrain.training.prepare_data import main, prepare, verify
+from meshtrain.training.shuffle import permute, round_keys
+from meshtrain.training.token_files import TokenFileLoader, TokenFiles
 
 SEQ = 16
 
@@ -258,8 +258,8 @@ def test_text_key_names_the_jsonl_field_from_the_command_line(tmp_path, capsys):
 
 
 def test_a_tokens_dataset_without_an_index_is_refused_before_start_up(tmp_path):
-    from training import recipe
-    from training.config import JobConfig
+    from meshtrain.training import recipe
+    from meshtrain.training.config import JobConfig
 
     cfg = JobConfig()
     cfg.job.output_dir = str(tmp_path / "runs")

@@ -4,12 +4,12 @@ the registry."""
 
 import pytest
 
-from models import registry
+from meshtrain.models import registry
 from tests import train_oracle
 from tests.conftest import torchrun
 from tests.toy_family import FAMILY
-from training.config import ConfigError
-from training.config_loader import load_config
+from meshtrain.training.config import ConfigError
+from meshtrain.training.config_loader import load_config
 
 
 @pytest.fixture(autouse=True)

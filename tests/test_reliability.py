@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, torchrun
-from training.run_lock import LOCK_NAME
+from meshtrain.training.run_lock import LOCK_NAME
 
 ONE = ("--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.seq_len=32")
 
@@ -103,7 +103,7 @@ def test_two_identical_runs_save_the_same_rng_state(tmp_path):
     its saved state included."""
     from torch.distributed.checkpoint import load
 
-    from training.checkpoint_reader import SafeReader
+    from meshtrain.training.checkpoint_reader import SafeReader
 
     states = []
     for name in ("a", "b"):

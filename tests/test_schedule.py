@@ -3,7 +3,7 @@ methods): these pin what it returns, so a torch upgrade that changes it fails he
 
 import pytest
 
-from planning.schedule import Action, in_flight_at_peak, makespan, rank_actions, replay_prefix
+from meshtrain.planning.schedule import Action, in_flight_at_peak, makespan, rank_actions, replay_prefix
 
 
 def counts(actions):

@@ -16,15 +16,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.llama import Llama
-from parallel import ParallelDims, apply_ac, apply_fsdp, mixed_precision_policy, parallelize
-from parallel.float8 import apply_float8
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import ParallelDims, apply_ac, apply_fsdp, mixed_precision_policy, parallelize
+from meshtrain.parallel.float8 import apply_float8
 from tests.conftest import ROOT
-from training import recipe
-from training.config import ConfigError
-from training.config_loader import load_config
-from training.metrics import TrackedActivations
-from training.step import compile_loss, cross_entropy, train_step
+from meshtrain.training import recipe
+from meshtrain.training.config import ConfigError
+from meshtrain.training.config_loader import load_config
+from meshtrain.training.metrics import TrackedActivations
+from meshtrain.training.step import compile_loss, cross_entropy, train_step
 
 
 def tokens(batch=2, seq=64, vocab=256, seed=0):
@@ -222,7 +222,7 @@ def test_float8_would_convert_every_linear_but_the_output_head(monkeypatch):
     """torchao is absent here, so a stand-in records which modules our filter hands it."""
     import types
 
-    from parallel import float8
+    from meshtrain.parallel import float8
 
     asked = []
 
@@ -235,7 +235,7 @@ def test_float8_would_convert_every_linear_but_the_output_head(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", fake)
     monkeypatch.setattr(float8, "float8_unavailable", lambda *a, **k: None)
 
-    from models import registry
+    from meshtrain.models import registry
 
     converted = apply_float8(Llama.from_flavor("debug", meta=True), skip=registry.get("llama").high_precision)
     assert converted == asked and "output" not in converted

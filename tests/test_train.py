@@ -9,10 +9,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from training import recipe
+from meshtrain.training import recipe
 from tests import oracle, train_oracle
 from tests.conftest import ROOT, torchrun
-from training.config_loader import load_config
+from meshtrain.training.config_loader import load_config
 
 
 def scalars(run_dir, tag):
@@ -131,8 +131,8 @@ def test_gpt2_with_tied_embeddings_trains_in_3d_resumes_in_one_process_and_expor
                    config="gpt2_debug_3d")
     torch.testing.assert_close(back[-2:], one[8:10], rtol=1e-4, atol=0)
 
-    from models.gpt2 import GPT2
-    from training.export import export
+    from meshtrain.models.gpt2 import GPT2
+    from meshtrain.training.export import export
 
     step6 = tmp_path / "gpt2_3d" / "checkpoint" / "step-00000006"
     export(step6, tmp_path / "gpt2.pt", "torch")

@@ -8,7 +8,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from parallel import ParallelDims, modules_to_wrap, parallelize
+from meshtrain.parallel import ParallelDims, modules_to_wrap, parallelize
 
 
 class Block(nn.Module):

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from models import registry
-from models.common import build_from_flavor, fsdp_units
-from parallel.init import init_param_, materialize, trunc_normal_
+from meshtrain.models import registry
+from meshtrain.models.common import build_from_flavor, fsdp_units
+from meshtrain.parallel.init import init_param_, materialize, trunc_normal_
 
 
 @dataclass

@@ -14,9 +14,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests import oracle
-from training import recipe
-from training.config_loader import parse_args
-from training.data import build_dataloader, build_tokenizer
+from meshtrain.training import recipe
+from meshtrain.training.config_loader import parse_args
+from meshtrain.training.data import build_dataloader, build_tokenizer
 
 
 def oracle_for(*argv: str, with_unclipped: bool = False) -> oracle.Oracle:
@@ -51,7 +51,7 @@ def plain_transformers_model(shape, seed: int):
     on CPU, holding the initial weights meshtrain gives that seed."""
     import copy
 
-    from models.hf.model import causal_lm_class
+    from meshtrain.models.hf.model import causal_lm_class
 
     ours = copy.deepcopy(shape)  # on meta: free
     ours.init_weights(seed=seed, device="cpu")
@@ -70,8 +70,8 @@ def logged(run_dir: Path, tag: str) -> list[float]:
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The full weights of the run's last checkpoint, by parameter name."""
-    from training.checkpoint import complete_checkpoints
-    from training.export import model_tensors
+    from meshtrain.training.checkpoint import complete_checkpoints
+    from meshtrain.training.export import model_tensors
 
     step, path = max(complete_checkpoints(run_dir / "checkpoint"))
     return dict(model_tensors(path))

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from training.checkpoint_reader import DamagedCheckpointError, SafeReader, UnsafeCheckpointError, damage
+from meshtrain.training.checkpoint_reader import DamagedCheckpointError, SafeReader, UnsafeCheckpointError, damage
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -103,10 +103,10 @@ _MAY_CHANGE = {"job": {"name", "output_dir", "description", "device"}, "training
 
 def config_differences(saved_toml: str, current_toml: str) -> list[str]:
     """Settings that differ between two configs, except those a resume may change."""
-    from training.config_loader import tomllib
+    from meshtrain.training.config_loader import tomllib
 
-    from training.config import JobConfig
-    from training.config_loader import config_to_dict
+    from meshtrain.training.config import JobConfig
+    from meshtrain.training.config_loader import config_to_dict
 
     saved, current = tomllib.loads(saved_toml), tomllib.loads(current_toml)
     # A key the schema has gained since the save stood at its default then; a key it has

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-from models import registry
+from meshtrain.models import registry
 
 DTYPES = ("float32", "bfloat16")
 # The keys of parallel.pipeline.SCHEDULES (the same test keeps them equal).

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from models import registry
-from training.config import SECTIONS, ConfigError, JobConfig, choices, default_of
+from meshtrain.models import registry
+from meshtrain.training.config import SECTIONS, ConfigError, JobConfig, choices, default_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -192,7 +192,7 @@ def _check_hf_model(m, sources) -> None:
     if not m.hf_config:
         raise ConfigError(f'{where}: [model] name = "hf" needs hf_config = a Hugging Face config.json '
                           "or the folder holding it")
-    from models.hf.config import read_hf_config
+    from meshtrain.models.hf.config import read_hf_config
 
     try:
         read_hf_config(m.hf_config)

@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from training.config import ConfigError
+from meshtrain.training.config import ConfigError
 
 
 class ByteTokenizer:
@@ -328,7 +328,7 @@ def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int):
                          f"multiple of dp_size={dp_size}")
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.dataset == "tokens":  # prepared files, memory-mapped: nothing is tokenized here
-        from training.token_files import build_token_loader
+        from meshtrain.training.token_files import build_token_loader
         return build_token_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size), tokenizer
     tokens = load_tokens(cfg.dataset, cfg.dataset_path, cfg.tokenizer, getattr(cfg, "max_tokens", None))
     loader = DataLoader(tokens, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,

@@ -27,11 +27,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from models import registry
-from parallel.init import canonical_name
-from training.checkpoint_reader import SafeReader
-from training.config import DTYPES
-from training.config_loader import tomllib
+from meshtrain.models import registry
+from meshtrain.parallel.init import canonical_name
+from meshtrain.training.checkpoint_reader import SafeReader
+from meshtrain.training.config import DTYPES
+from meshtrain.training.config_loader import tomllib
 
 
 def read_family(checkpoint_dir: str | Path) -> str:

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from planning.hardware import GIB, gpu_of_device
+from meshtrain.planning.hardware import GIB, gpu_of_device
 
 
 def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, dim: int,

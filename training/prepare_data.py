@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from training.config import ConfigError
-from training.data import HFTokenizer, build_tokenizer
-from training.prepare_units import check_decodable, input_files, plan_units, tokenize_unit
-from training.token_files import FORMAT, INDEX, VERSION, TokenFiles, index_checksum, token_dtype
+from meshtrain.training.config import ConfigError
+from meshtrain.training.data import HFTokenizer, build_tokenizer
+from meshtrain.training.prepare_units import check_decodable, input_files, plan_units, tokenize_unit
+from meshtrain.training.token_files import FORMAT, INDEX, VERSION, TokenFiles, index_checksum, token_dtype
 
 PROGRESS = "prepare.json"  # the index in progress: the plan, and the shards done so far
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16: few files, yet a lost shard is quick to redo

@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from training.config import ConfigError
-from training.data import (MAX_UNDECODABLE, TEXT_SUFFIXES, HFTokenizer, JsonlError, _sorted_files, build_tokenizer,
+from meshtrain.training.config import ConfigError
+from meshtrain.training.data import (MAX_UNDECODABLE, TEXT_SUFFIXES, HFTokenizer, JsonlError, _sorted_files, build_tokenizer,
                            decode_utf8, jsonl_documents)
 
 CHUNK_BYTES = 8 << 20  # big enough to amortize a task, small enough to spread a big file over workers

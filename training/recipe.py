@@ -22,20 +22,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models import registry
-from parallel import LayoutError, ParallelDims, mixed_precision_policy, parallelize, submesh
-from parallel.async_tp import async_tp_unavailable
-from parallel.context_parallel import check_cp_fits
-from parallel.float8 import apply_float8, float8_unavailable
-from parallel.fsdp import check_strategy
-from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
-from parallel.tensor_parallel import check_tp_plan
-from parallel.tied import tie_across_stages
-from training.checkpoint import CheckpointError, CheckpointManager
-from training.config import ConfigError, JobConfig
-from training.config_loader import config_to_toml
-from training.optim import Optimizers, Schedulers
-from training.step import compile_loss, pipeline_loss_fn, pipeline_train_step, train_step
+from meshtrain.models import registry
+from meshtrain.parallel import LayoutError, ParallelDims, mixed_precision_policy, parallelize, submesh
+from meshtrain.parallel.async_tp import async_tp_unavailable
+from meshtrain.parallel.context_parallel import check_cp_fits
+from meshtrain.parallel.float8 import apply_float8, float8_unavailable
+from meshtrain.parallel.fsdp import check_strategy
+from meshtrain.parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
+from meshtrain.parallel.tensor_parallel import check_tp_plan
+from meshtrain.parallel.tied import tie_across_stages
+from meshtrain.training.checkpoint import CheckpointError, CheckpointManager
+from meshtrain.training.config import ConfigError, JobConfig
+from meshtrain.training.config_loader import config_to_toml
+from meshtrain.training.optim import Optimizers, Schedulers
+from meshtrain.training.step import compile_loss, pipeline_loss_fn, pipeline_train_step, train_step
 
 # Embedding rows are padded to a multiple of this when the vocabulary comes from the
 # tokenizer (258 for bytes), so any TP degree up to 64 divides it.
@@ -74,8 +74,8 @@ def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
 
 def build_hf_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     """[model] name = "hf": transformers' class for the config.json, on meta."""
-    from models.hf.config import HFModelError
-    from models.hf.model import build_hf, plan_words
+    from meshtrain.models.hf.config import HFModelError
+    from meshtrain.models.hf.model import build_hf, plan_words
 
     m, seq_len = cfg.model, cfg.training.seq_len
     where = f'[model] hf_config = "{m.hf_config}"'
@@ -341,7 +341,7 @@ def claim_run_dir(run_dir: Path) -> None:
     so a second job on the same folder stops on all its ranks at once."""
     import torch.distributed as dist
 
-    from training import run_lock
+    from meshtrain.training import run_lock
 
     refusal = [None]
     if dist.get_rank() == 0:

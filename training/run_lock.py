@@ -15,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from training.config import ConfigError
+from meshtrain.training.config import ConfigError
 
 LOCK_NAME = "run.lock"
 

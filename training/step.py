@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from parallel import clip_grad_norm_, loss_parallel_context
-from parallel.context_parallel import SequenceSplit, split_sequence
-from training.faults import step_phase
+from meshtrain.parallel import clip_grad_norm_, loss_parallel_context
+from meshtrain.parallel.context_parallel import SequenceSplit, split_sequence
+from meshtrain.training.faults import step_phase
 
 
 def _cross_entropy_fp32(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import ConfigError
-from training.data import DataLoader
-from training.shuffle import permute, round_keys
+from meshtrain.training.config import ConfigError
+from meshtrain.training.data import DataLoader
+from meshtrain.training.shuffle import permute, round_keys
 
 FORMAT, VERSION = "meshtrain-tokens", 1
 INDEX = "index.json"

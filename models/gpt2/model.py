@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from models.common import build_from_flavor, cut_stage, fsdp_units
-from models.gpt2.config import FLAVORS, GPT2Config
-from parallel.context_parallel import causal_attention
-from parallel.init import init_param_, materialize, trunc_normal_
+from meshtrain.models.common import build_from_flavor, cut_stage, fsdp_units
+from meshtrain.models.gpt2.config import FLAVORS, GPT2Config
+from meshtrain.parallel.context_parallel import causal_attention
+from meshtrain.parallel.init import init_param_, materialize, trunc_normal_
 
 
 class Attention(nn.Module):
@@ -130,7 +130,7 @@ class GPT2(nn.Module):
         return cut_stage(self, layer_ids, drop=drop)
 
     def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
-        from models.gpt2.tp_plan import gpt2_tp_plan
+        from meshtrain.models.gpt2.tp_plan import gpt2_tp_plan
 
         return gpt2_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 

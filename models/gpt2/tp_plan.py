@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from models.common import megatron_block_plan, vocab_parallel_ends
+from meshtrain.models.common import megatron_block_plan, vocab_parallel_ends
 
 
 def gpt2_tp_plan(model, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:

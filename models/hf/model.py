@@ -25,10 +25,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from models.common import fsdp_units, vocab_parallel_ends
-from models.hf.config import HFConfig, HFModelError, read_hf_config
-from parallel.init import canonical_name, copy_block_, materialize, param_seed
-from parallel.mesh import LayoutError
+from meshtrain.models.common import fsdp_units, vocab_parallel_ends
+from meshtrain.models.hf.config import HFConfig, HFModelError, read_hf_config
+from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
+from meshtrain.parallel.mesh import LayoutError
 
 # transformers' TP plan words -> torch styles. "_gather_output" / "_rep": the column split's
 # output is gathered (the next op needs every head, e.g. OLMo2's norm over all of q);

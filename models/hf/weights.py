@@ -12,9 +12,9 @@ from typing import Iterable
 
 import torch
 
-from models.hf.config import HFConfig
-from models.safetensors_files import fill_from_safetensors_, write_safetensors
-from parallel.init import materialize
+from meshtrain.models.hf.config import HFConfig
+from meshtrain.models.safetensors_files import fill_from_safetensors_, write_safetensors
+from meshtrain.parallel.init import materialize
 
 # What must agree between the model and the folder beyond tensor shapes (checked one by one).
 _SAME = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -44,7 +44,7 @@ def save_hf(tensors: Iterable[tuple[str, torch.Tensor]], cfg: HFConfig, out_dir:
             *, max_shard_bytes: int = 5 * 10**9, dtype: torch.dtype | None = None) -> list[Path]:
     """Write a folder `from_pretrained` loads: config.json (the run's) and the weights,
     from (parameter name, full tensor) pairs, e.g. streamed from a checkpoint."""
-    from models.hf.model import build_hf
+    from meshtrain.models.hf.model import build_hf
 
     with torch.device("meta"):
         model = build_hf("", hf=cfg.hf)

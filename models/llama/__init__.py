@@ -1,13 +1,13 @@
 """Llama 2/3. `FLAVORS` and `LlamaConfig` need no torch; `Llama` (the module) is imported
 on first use, so that reading a run config never loads torch."""
 
-from models.llama.config import FLAVORS, LlamaConfig
+from meshtrain.models.llama.config import FLAVORS, LlamaConfig
 
 __all__ = ["FLAVORS", "LlamaConfig", "Llama"]
 
 
 def __getattr__(name: str):
     if name == "Llama":
-        from models.llama.model import Llama
+        from meshtrain.models.llama.model import Llama
         return Llama
     raise AttributeError(f"module 'models.llama' has no attribute {name!r}")

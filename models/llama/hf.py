@@ -20,9 +20,9 @@ from typing import Iterable
 
 import torch
 
-from models.llama.config import LlamaConfig
-from models.safetensors_files import fill_from_safetensors_, write_safetensors
-from parallel.init import canonical_name, materialize
+from meshtrain.models.llama.config import LlamaConfig
+from meshtrain.models.safetensors_files import fill_from_safetensors_, write_safetensors
+from meshtrain.parallel.init import canonical_name, materialize
 
 # Inside layers.N. (ours) / model.layers.N. (theirs).
 _BLOCK_NAMES = {

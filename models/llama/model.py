@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from models.common import build_from_flavor, cut_stage, fsdp_units
-from models.llama.config import FLAVORS, LlamaConfig
-from parallel.context_parallel import causal_attention
-from parallel.init import init_param_, materialize, trunc_normal_
+from meshtrain.models.common import build_from_flavor, cut_stage, fsdp_units
+from meshtrain.models.llama.config import FLAVORS, LlamaConfig
+from meshtrain.parallel.context_parallel import causal_attention
+from meshtrain.parallel.init import init_param_, materialize, trunc_normal_
 
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
@@ -156,7 +156,7 @@ class Llama(nn.Module):
         return self.layers
 
     def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True):
-        from models.llama.tp_plan import llama_tp_plan
+        from meshtrain.models.llama.tp_plan import llama_tp_plan
 
         return llama_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 

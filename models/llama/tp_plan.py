@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from models.common import megatron_block_plan, vocab_parallel_ends
+from meshtrain.models.common import megatron_block_plan, vocab_parallel_ends
 
 
 def llama_tp_plan(model, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:

@@ -12,15 +12,13 @@ The save itself is the real one; only the moment of death is chosen.
 import os
 import signal
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
-import train
-from training.checkpoint import CheckpointManager
+from meshtrain import train
+from meshtrain.training.checkpoint import CheckpointManager
 
 mode, step = sys.argv[1], int(sys.argv[2])
 

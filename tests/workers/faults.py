@@ -14,13 +14,11 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-import train
-import training.recipe
-import training.step
+from meshtrain import train
+import meshtrain.training.recipe as recipe
+import meshtrain.training.step as step_module
 
 mode, argv = sys.argv[1], sys.argv[2:]
 rank = int(os.environ.get("RANK", 0))
@@ -48,9 +46,9 @@ elif mode == "stall":
             time.sleep(seconds)
 elif mode == "nan":
     when, argv = int(argv[0]), argv[1:]
-    real_loss = training.step.cross_entropy
+    real_loss = step_module.cross_entropy
     poisoned = [False]
-    training.step.cross_entropy = lambda logits, labels: real_loss(logits, labels) * (
+    step_module.cross_entropy = lambda logits, labels: real_loss(logits, labels) * (
         float("nan") if poisoned[0] else 1.0)
 
     def before(step):
@@ -74,7 +72,7 @@ elif mode == "disk_full":  # rank `who`'s writes fail with ENOSPC from step `whe
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 
-real_train_step = training.recipe.train_step  # what the step built by the recipe calls
+real_train_step = recipe.train_step  # what the step built by the recipe calls
 
 
 def train_step(*args, step, **kwargs):
@@ -82,5 +80,5 @@ def train_step(*args, step, **kwargs):
     return real_train_step(*args, step=step, **kwargs)
 
 
-training.recipe.train_step = train_step
+recipe.train_step = train_step
 sys.exit(train.run(argv))

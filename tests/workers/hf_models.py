@@ -19,9 +19,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
-from parallel.init import canonical_name
-from training.step import train_step
+from meshtrain.parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
+from meshtrain.parallel.init import canonical_name
+from meshtrain.training.step import train_step
 
 # Gradient norms are about 1: clipping to 0.1 rescales every step by a different factor,
 # which Adam does not cancel out (it would a constant one), and lr 3e-3 lets that show

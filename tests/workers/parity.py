@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from models.gpt2 import GPT2
-from models.llama import Llama
-from parallel import ParallelDims, parallelize, shutdown_distributed, submesh
-from training.optim import Optimizers, Schedulers
-from training.step import train_step
+from meshtrain.models.gpt2 import GPT2
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import ParallelDims, parallelize, shutdown_distributed, submesh
+from meshtrain.training.optim import Optimizers, Schedulers
+from meshtrain.training.step import train_step
 
 STEPS, BATCH, SEQ, LR, MAX_NORM = 8, 8, 32, 1e-3, 0.1
 BETAS, WEIGHT_DECAY, WARMUP, MIN_LR_RATIO = (0.9, 0.95), 0.1, 2, 0.1
@@ -104,9 +104,9 @@ def full_weights(model) -> dict[str, torch.Tensor]:
 
 
 def run_pipeline(layout: str) -> dict:
-    from parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages
-    from parallel.tied import tie_across_stages
-    from training.step import pipeline_loss_fn, pipeline_train_step
+    from meshtrain.parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages
+    from meshtrain.parallel.tied import tie_across_stages
+    from meshtrain.training.step import pipeline_loss_fn, pipeline_train_step
 
     dims, schedule_name, opts = PP_LAYOUTS[layout]
     micro, accum = opts["micro"], opts.get("accum", 1)
@@ -190,7 +190,7 @@ FAULTS = ("no_clip", "loss_not_divided", "grads_summed", "stage_left_out_of_norm
 def injected(fault: str | None, dims: dict):
     """Break one thing, for the duration of one layout's run: the parity check must then fail
     (tests/test_parity.py::test_parity_check_catches_each_fault)."""
-    import training.step as step
+    import meshtrain.training.step as step
 
     clip, loss_fn, schedule = step.clip_grad_norm_, step.pipeline_loss_fn, globals()["optimizer_and_schedule"]
     if fault == "no_clip":  # the norm is still computed and reported; nothing is scaled

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.llama import Llama
-from parallel import ParallelDims, parallelize, shutdown_distributed, submesh
-from parallel.pipeline import build_schedule, split_into_stages, split_layers
-from training.step import pipeline_loss_fn, pipeline_train_step
+from meshtrain.models.llama import Llama
+from meshtrain.parallel import ParallelDims, parallelize, shutdown_distributed, submesh
+from meshtrain.parallel.pipeline import build_schedule, split_into_stages, split_layers
+from meshtrain.training.step import pipeline_loss_fn, pipeline_train_step
 
 c10d = torch.ops.c10d
 ALL_GATHER = (c10d._allgather_base_, c10d.allgather_, c10d.allgather_into_tensor_coalesced_)

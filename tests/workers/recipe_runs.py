@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from parallel import mesh_coordinate, shutdown_distributed, submesh
-from parallel.init import canonical_name
-from training import recipe
-from training.config_loader import parse_args
-from training.data import build_dataloader, build_tokenizer
+from meshtrain.parallel import mesh_coordinate, shutdown_distributed, submesh
+from meshtrain.parallel.init import canonical_name
+from meshtrain.training import recipe
+from meshtrain.training.config_loader import parse_args
+from meshtrain.training.data import build_dataloader, build_tokenizer
 
 
 def full_weights(modules, pp_mesh, drop: set[str]) -> dict[str, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 import sys
 
-import train
-from models import registry
+from meshtrain import train
+from meshtrain.models import registry
 from tests.toy_family import FAMILY
 
 registry.register(FAMILY)
