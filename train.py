@@ -1,8 +1,8 @@
 """Train a model from a TOML config with FSDP2 x tensor parallelism x pipeline parallelism.
 
-    torchrun --nproc-per-node 4 train.py --config debug_2d              # CPU, dp 2 x tp 2
-    torchrun --nproc-per-node 8 train.py --config debug_3d              # CPU, pp 2 x dp 2 x tp 2
-    torchrun --nproc-per-node 8 train.py --config llama70b_2d           # one node of a cluster
+    meshtrain train --config debug_2d --nproc-per-node 4               # CPU, dp 2 x tp 2
+    torchrun --nproc-per-node 4 train.py --config debug_2d              # the same, from a checkout
+    torchrun --nproc-per-node 8 -m meshtrain.train --config llama70b_2d # one node of a cluster
     python train.py --config debug_2d --parallelism.tp 1 --parallelism.dp_shard 1   # one process
 
 Read top to bottom: config -> model on meta -> layout (every rule checked before any
@@ -149,7 +149,9 @@ def run(argv: list[str] | None = None) -> int:
             raise
         if debug:
             traceback.print_exc()
-        if code == 3 or int(os.environ.get("RANK", 0)) == 0:
+        # Under `meshtrain train --nproc-per-node`, the launcher says the first rank's message once.
+        launched = os.environ.get("MESHTRAIN_LAUNCHER") == "1"
+        if not launched and (code == 3 or int(os.environ.get("RANK", 0)) == 0):
             print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
         tell_torchrun(f"meshtrain: error: {err}")
         return code

@@ -6,7 +6,7 @@
 For each size a corpus of that many bytes (jsonl, generated from a fixed seed, so every
 run reads the same text) is written to a temporary folder. Printed side by side:
 
-1. prepare: tokens/s of ``python -m training.prepare_data`` with the byte tokenizer and
+1. prepare: tokens/s of ``meshtrain prepare-data`` with the byte tokenizer and
    with a tokenizer.json (--tokenizer, or a BPE of --bpe-vocab tokens trained here on the
    first 10 MB), next to the tokenizers library's own ``encode_batch`` on the same
    documents, already in memory -- the ceiling for that tokenizer on this machine.

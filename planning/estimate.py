@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.training.config_loader import load_config
     from meshtrain.parallel import LayoutError
 
-    ap = argparse.ArgumentParser(prog="python -m planning.estimate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="meshtrain estimate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a configs/ name or a TOML file")
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, default=8)

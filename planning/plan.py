@@ -253,7 +253,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = _Parser(prog="python -m planning.plan", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="meshtrain plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Llama flavor (8B, 70B, 405B, debug, llama3_70b...), "
                    "or family:flavor for another family (gpt2:175B)")
     p.add_argument("--nodes", type=int, required=True)

@@ -55,7 +55,7 @@ def test_resume_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
 
 def test_export_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
     marker = plant_command(checkpoint, tmp_path)
-    proc = run("-m", "training.export", str(checkpoint), str(tmp_path / "out"), "--format", "torch")
+    proc = run("-m", "meshtrain.training.export", str(checkpoint), str(tmp_path / "out"), "--format", "torch")
     assert proc.returncode != 0
     assert "posix.system" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not marker.exists(), "the planted command ran"

@@ -140,3 +140,28 @@ def test_plot_tensorboard_draws_every_logged_point(tmp_path, capsys):
 def test_plot_ticks_cover_the_data(lo, hi):
     ticks = load_plot_script().nice_ticks(lo, hi)
     assert ticks[0] <= lo and ticks[-1] >= hi and 2 <= len(ticks) <= 8
+
+
+def test_commands_in_the_docs_exist():
+    """Every `meshtrain COMMAND` and `python -m MODULE` the pages and the shipped configs
+    tell a user to type names a real subcommand or module: one spelling, kept true."""
+    from meshtrain.cli import COMMANDS
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "configs").glob("*.toml"))]
+    wrong = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        blocks = re.findall(r"```\w*\n(.*?)```", text, re.S)
+        code = [line.strip() for block in blocks for line in block.splitlines()] + re.findall(r"`([^`\n]+)`", text)
+        if page.suffix == ".toml":  # the commands in a config's comments
+            code = [line.lstrip("# ").split(": ", 1)[-1] for line in text.splitlines() if line.startswith("#")]
+        for snippet in code:
+            if re.match(r"meshtrain[\w ]*: ", snippet):  # a line meshtrain printed, not one to type
+                continue
+            for command in re.findall(r"(?:^|&& |srun )meshtrain ([a-z][\w-]*)", snippet):
+                if command not in COMMANDS:
+                    wrong.append(f"{page.name}: meshtrain {command}")
+            for module in re.findall(r"python3? -m ([\w.]*\w)", snippet):
+                if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+                    wrong.append(f"{page.name}: python -m {module}")
+    assert not wrong, "commands that do not exist:\n" + "\n".join(sorted(set(wrong)))

@@ -1,4 +1,4 @@
-"""`python -m planning.estimate`: the planner's numbers for one given config are the
+"""`meshtrain estimate`: the planner's numbers for one given config are the
 search's numbers for that very layout, and what the formulas do not model is refused."""
 
 import json

@@ -185,7 +185,7 @@ def test_export_loads_in_transformers(tmp_path, tied, max_shard_bytes):
 
 def run_export(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "training.export", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "meshtrain.training.export", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

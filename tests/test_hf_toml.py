@@ -225,7 +225,7 @@ def test_export_reloads_in_transformers_with_the_trained_models_logits(tmp_path)
                     "--job.name=run", nproc=4)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _, step = max(complete_checkpoints(tmp_path / "run" / "checkpoint"))
-    exported = subprocess.run([sys.executable, "-m", "training.export", str(step), str(tmp_path / "hf"), "--format",
+    exported = subprocess.run([sys.executable, "-m", "meshtrain.training.export", str(step), str(tmp_path / "hf"), "--format",
                                "hf"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr[-3000:]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -190,7 +190,7 @@ def test_the_written_config_loads_and_passes_train_py_checks(job70, plan70, tmp_
     piped = next(e for e in fitting if e.layout.pp > 1 and e.layout.stages_per_rank > 1)
     for e in (best, piped):
         path = tmp_path / f"plan_{e.layout.pp}.toml"
-        path.write_text(to_toml(e, job70, path.stem, "python -m planning.plan ..."))
+        path.write_text(to_toml(e, job70, path.stem, "meshtrain plan ..."))
         cfg = load_config(path)
         p = cfg.parallelism
         assert p.tp * p.pp * p.dp_replicate * p.dp_shard == 64
@@ -209,7 +209,7 @@ def test_another_family_is_planned_and_written_as_that_family(tmp_path):
     fitting, _, _ = plan(job)
     assert fitting and 174e9 < job.model.n_params < 175e9
     path = tmp_path / "gpt3.toml"
-    path.write_text(to_toml(fitting[0], job, path.stem, "python -m planning.plan ..."))
+    path.write_text(to_toml(fitting[0], job, path.stem, "meshtrain plan ..."))
     cfg = load_config(path, ["--job.device=cpu"])
     assert (cfg.model.name, cfg.model.flavor) == ("gpt2", "175B")
     recipe.plan_layout(cfg, recipe.build_model(cfg, tokenizer_vocab=258), world_size=128)
@@ -236,7 +236,7 @@ def test_405b_on_one_node_does_not_fit_and_says_by_how_much(capsys):
 # ---------------------------------------------------------------- the command line
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "planning.plan", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "meshtrain.planning.plan", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

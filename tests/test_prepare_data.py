@@ -1,4 +1,4 @@
-"""python -m training.prepare_data and the "tokens" dataset (single process, small corpora)."""
+"""meshtrain prepare-data and the "tokens" dataset (single process, small corpora)."""
 
 import json
 from pathlib import Path

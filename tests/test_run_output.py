@@ -58,7 +58,7 @@ def test_a_world_that_does_not_fit_the_degrees_names_the_launch_command(tmp_path
     proc = subprocess.run([sys.executable, "train.py", "--config", "debug_2d", f"--job.output_dir={tmp_path}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "torchrun --nproc-per-node 4 train.py" in proc.stderr and "--world-size 4" in proc.stderr
+    assert "meshtrain train --nproc-per-node 4" in proc.stderr and "--world-size 4" in proc.stderr
     dry = subprocess.run([sys.executable, "train.py", "--config", "debug_2d", "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert dry.returncode == 2 and "--world-size 4" in dry.stderr, dry.stderr

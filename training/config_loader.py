@@ -354,15 +354,16 @@ def config_to_toml(cfg: JobConfig) -> str:
     return "\n".join(lines)
 
 
-def format_help() -> str:
+def format_help(prog: str = "train.py", launcher: str = "") -> str:
     """Usage plus every key with its default, accepted values and meaning."""
-    lines = ["usage: train.py [--config NAME_OR_PATH] [--print-config] [--debug] [--section.key VALUE ...]",
-             "       train.py --config NAME --dry-run [--world-size N] [--rank R] [--gpus-per-node G] [--gpu h100-80gb]",
-             "                (trace one step of rank R at world size N on a fake process group: mesh,",
-             "                 memory breakdown, communication; no GPU needed)",
-             "       train.py --config NAME --dry-run --world-size N --check-collectives",
-             "                (and check that every process group's members issue the same collectives,",
-             "                 and every pipeline receive meets its send: no hang at launch)", ""]
+    pad = " " * len(prog)
+    lines = [f"usage: {prog} {launcher}[--config NAME_OR_PATH] [--print-config] [--debug] [--section.key VALUE ...]",
+             f"       {prog} --config NAME --dry-run [--world-size N] [--rank R] [--gpus-per-node G] [--gpu h100-80gb]",
+             f"       {pad}  (trace one step of rank R at world size N on a fake process group: mesh,",
+             f"       {pad}   memory breakdown, communication; no GPU needed)",
+             f"       {prog} --config NAME --dry-run --world-size N --check-collectives",
+             f"       {pad}  (and check that every process group's members issue the same collectives,",
+             f"       {pad}   and every pipeline receive meets its send: no hang at launch)", ""]
     for name, cls in SECTIONS.items():
         lines.append(f"[{name}]")
         for f in fields(cls):

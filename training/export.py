@@ -1,7 +1,7 @@
 """Export a training checkpoint to Hugging Face format (families with a converter in
 models/registry.py: Llama) or one consolidated torch file (any family).
 
-    python -m training.export CHECKPOINT_DIR OUT --format hf|torch [--dtype bfloat16|float32]
+    meshtrain export CHECKPOINT_DIR OUT --format hf|torch [--dtype bfloat16|float32]
 
 A checkpoint is a torch.distributed.checkpoint (DCP) folder written by any layout: model
 weights under the keys ``model.<parameter name>``, plus ``model_config.json`` (the
@@ -124,7 +124,7 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="meshtrain export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint_dir", help="a DCP checkpoint folder (one step's)")
     parser.add_argument("out", help="format hf: output folder; format torch: output file")
     parser.add_argument("--format", choices=("hf", "torch"), required=True)

@@ -1,7 +1,7 @@
 """Tokenize a corpus once, into the shards that ``[training] dataset = "tokens"`` reads.
 
-    python -m training.prepare_data data/ more.jsonl --tokenizer tokenizer.json --out tokens/
-    python -m training.prepare_data --verify tokens/     # every shard's sha256 against the index
+    meshtrain prepare-data data/ more.jsonl --tokenizer tokenizer.json --out tokens/
+    meshtrain prepare-data --verify tokens/     # every shard's sha256 against the index
 
 Inputs are text files (one document each), .jsonl (one per line, its --text-key field)
 and .parquet (one per row, its --text-key column; needs pyarrow); folders are walked.
@@ -198,7 +198,7 @@ def verify(folder: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.prepare_data", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="meshtrain prepare-data", description=__doc__.split("\n")[0])
     p.add_argument("inputs", nargs="*", help="text/.jsonl/.parquet files, or folders of them")
     p.add_argument("--tokenizer", default="byte", help="byte, or the path of a tokenizer.json")
     p.add_argument("--out", help="output folder")

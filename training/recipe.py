@@ -120,7 +120,8 @@ def _launch_hint(p) -> str:
     fixed = p.pp * p.dp_replicate * p.cp * p.tp
     n = fixed * (p.dp_shard if p.dp_shard > 0 else 1)
     many = "" if p.dp_shard > 0 else " (or a multiple: dp_shard = -1 takes the rest)"
-    return (f"These degrees need {n} processes{many}: launch `torchrun --nproc-per-node {n} train.py ...`, "
+    return (f"These degrees need {n} processes{many}: launch `meshtrain train --nproc-per-node {n} ...` "
+            f"(or `torchrun --nproc-per-node {n} -m meshtrain.train ...`), "
             f"or for a dry run pass `--world-size {n}`; or change the [parallelism] degrees")
 
 
@@ -205,7 +206,7 @@ def _check_inputs(cfg: JobConfig) -> None:
                           f'"{t.dataset_path}" does not exist')
     if t.dataset == "tokens" and not os.path.isfile(os.path.join(t.dataset_path, "index.json")):
         raise ConfigError(f'[training] dataset = "tokens" needs dataset_path = a folder prepared by '
-                          f'`python -m training.prepare_data`; no index.json in "{t.dataset_path}"')
+                          f'`meshtrain prepare-data`; no index.json in "{t.dataset_path}"')
     if hf and not registry.get(cfg.model.name).hf:
         raise ConfigError(f'[checkpoint] initial_load_hf reads Hugging Face weights; [model] name = '
                           f'"{cfg.model.name}" has no importer')

@@ -1,4 +1,4 @@
-"""The "tokens" dataset: a corpus tokenized ahead of time (python -m training.prepare_data)
+"""The "tokens" dataset: a corpus tokenized ahead of time (meshtrain prepare-data)
 and read from memory-mapped files, so no rank ever tokenizes or holds the whole corpus.
 
 A prepared folder holds shard_00000.bin, shard_00001.bin, ... -- the token stream, flat,
@@ -51,7 +51,7 @@ class TokenFiles:
         where = f'{key} = "{folder}"'
         if not path.is_file():
             raise ConfigError(f"{where}: no {path}; prepare the folder with "
-                              f"`python -m training.prepare_data INPUT... --out {folder}`")
+                              f"`meshtrain prepare-data INPUT... --out {folder}`")
         try:
             index = json.loads(path.read_text())
             shards = index["shards"]
@@ -68,7 +68,7 @@ class TokenFiles:
             raise ConfigError(f"{where}: {path} is inconsistent (its checksum or token count does not "
                               f"match its contents); prepare the folder again")
         # Sizes, not contents: a stat per shard, however big the corpus. A full check of
-        # every byte is `python -m training.prepare_data --verify FOLDER`.
+        # every byte is `meshtrain prepare-data --verify FOLDER`.
         self.paths = [self.folder / s["file"] for s in shards]
         for shard, p in zip(shards, self.paths):
             want = shard["tokens"] * self.dtype.itemsize

@@ -30,9 +30,17 @@ class HFConfig:
     tie_embeddings: bool = False
 
 
+# Where meshtrain's own configs/ lies, in a checkout or installed: a shipped TOML's
+# `hf_config = "configs/hf/qwen2-tiny"` must resolve from any working directory.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
 def config_path(where: str) -> Path:
-    """The config.json a `[model] hf_config` names: the file itself or its folder."""
+    """The config.json a `[model] hf_config` names: the file itself or its folder, relative
+    to the working directory, else to meshtrain's own folder (the shipped configs/hf/)."""
     path = Path(where)
+    if not path.exists() and not path.is_absolute() and (PACKAGE_ROOT / path).exists():
+        path = PACKAGE_ROOT / path
     return path / "config.json" if path.is_dir() else path
 
 
