@@ -114,7 +114,8 @@ def plan_words(entries: list[str], where: str) -> dict[str, str]:
     for entry in entries:
         key, sep, word = (s.strip() for s in entry.partition("="))
         if word in REFUSED:
-            raise HFModelError(f"{where}: {entry!r}: meshtrain does not translate {word!r}: {REFUSED[word][0]}")
+            raise HFModelError(f"{where}: {entry!r}: meshtrain does not translate {word!r}: {REFUSED[word][0]} "
+                               f"(the styles it translates: {', '.join(STYLES)})")
         if not sep or not key or word not in STYLES:
             raise HFModelError(f"{where}: {entry!r} is not \"module.pattern=style\" with style one of "
                                f"{', '.join(STYLES)}")
