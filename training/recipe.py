@@ -75,7 +75,8 @@ def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
 def build_hf_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     """[model] name = "hf": transformers' class for the config.json, on meta."""
     from meshtrain.models.hf.config import HFModelError
-    from meshtrain.models.hf.model import build_hf, plan_words
+    from meshtrain.models.hf.model import build_hf
+    from meshtrain.models.hf.tp_styles import plan_words
 
     m, seq_len = cfg.model, cfg.training.seq_len
     where = f'[model] hf_config = "{m.hf_config}"'

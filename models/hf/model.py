@@ -6,7 +6,7 @@ Face ones: a checkpoint exports by copying names, and safetensors weights load t
 Everything it needs comes from transformers' own description of the architecture:
 
     _no_split_modules          the transformer block classes (FSDP units, AC, compile)
-    base_model_tp_plan         which projections split how (translated to torch styles)
+    base_model_tp_plan         which projections split how (tp_styles.py: as torch styles)
     base_model_pp_plan         embeddings / layers / norm (where a pipeline cuts)
     _init_weights(module)      the architecture's initial distribution
 
@@ -22,31 +22,13 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor
 
 from meshtrain.models.common import fsdp_units, vocab_parallel_ends
 from meshtrain.models.hf.config import HFConfig, HFModelError, read_hf_config
+from meshtrain.models.hf.tp_styles import STYLES, refusal, translate
 from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
 from meshtrain.parallel.mesh import LayoutError
-
-# transformers' TP plan words -> torch styles. "_gather_output" / "_rep": the column split's
-# output is gathered (the next op needs every head, e.g. OLMo2's norm over all of q);
-# "_split_input": the row split takes a whole input and keeps its own slice.
-STYLES = {
-    "colwise": lambda: ColwiseParallel(),
-    "rowwise": lambda: RowwiseParallel(),
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-    # A module on each rank's own heads (Qwen3's, Gemma3's per-head q/k norms) whose weight
-    # is whole on every rank: its input is labelled as split (dim 2 of [batch, seq, heads,
-    # head_dim]; any dim but the normalized last one computes the same), so DTensor sums
-    # the weight's gradient over the TP ranks -- without, each rank's copy would drift.
-    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
-}
-
 
 def transformers_or_explain():
     """The transformers module, or HFModelError saying what to install."""
@@ -140,28 +122,32 @@ class HFModel:
             raise HFModelError(f"block classes {list(names)}: {type(blocks[0]).__name__} is not the repeated layer "
                                f"of {type(base).__name__} (an item of a ModuleList it holds); name the decoder-layer "
                                "class in [model] hf_block_classes")
-        # Embeddings and final norm: named by base_model_pp_plan (embed_tokens / layers / norm).
-        # Without one, FSDP's root unit holds them and a pipeline cannot be cut.
-        pp_plan = list(getattr(config, "base_model_pp_plan", None) or {})
-        standard = len(pp_plan) == 3 and pp_plan[1] == self._mt_layers
-        self._mt_embed, self._mt_norm = (pp_plan[0], pp_plan[2]) if standard else (None, None)
+        embedding = self.get_input_embeddings()
+        self._mt_embed_weight = next(n for n, p in self.named_parameters() if p is embedding.weight)
+        # The embedding's path from the base model, as TP plans name it ("embed_tokens").
+        self._mt_embed_path = next((n for n, m in base.named_modules() if m is embedding), None)
+        self._mt_embed, self._mt_norm = _ends(base, getattr(config, "base_model_pp_plan", None) or {},
+                                              self._mt_layers, self._mt_embed_path)
         plan = tp_plan if tp_plan is not None else dict(getattr(config, "base_model_tp_plan", None) or {})
         self._mt_tp_words = plan
-        embedding = self.get_input_embeddings().weight
-        self._mt_embed_weight = next(n for n, p in self.named_parameters() if p is embedding)
 
     def layout_refusal(self, *, tp: int, pp: int) -> str | None:
         """Why this model cannot take these degrees (checked before any process group), or None."""
         name = type(self).__name__
         if tp > 1:
-            unknown = {key: word for key, word in self._mt_tp_words.items() if word not in STYLES}
-            if unknown:
-                listed = ", ".join(f"{k} = {w!r}" for k, w in unknown.items())
-                return (f"{name}'s tensor-parallel plan uses styles meshtrain does not translate: {listed} "
-                        f"(it translates {', '.join(STYLES)}); give [model] hf_tp_plan, or use tp = 1")
             if not self._mt_tp_words:
                 return (f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan): "
                         "give [model] hf_tp_plan, or use tp = 1 (FSDP alone trains it)")
+            untranslated: dict[str, list[str]] = {}
+            for key, word in self._mt_tp_words.items():
+                if word not in STYLES:
+                    untranslated.setdefault(word, []).append(key)
+            if untranslated:
+                return (f"{name}'s tensor-parallel plan has entries meshtrain does not translate: "
+                        f"{refusal(untranslated)}")
+            tied = self._tied_split_refusal()
+            if tied:
+                return tied
         if pp > 1:
             if self._mt_embed is None:
                 return (f"{name} has no base_model_pp_plan (embeddings / layers / norm), so meshtrain "
@@ -212,24 +198,47 @@ class HFModel:
         return {"heads": c.n_heads, "kv heads": c.n_kv_heads, "FFN width": c.ffn_hidden, "vocab size": c.vocab_size}
 
     def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
-        """transformers' plan for the blocks, in torch styles, plus the vocabulary split of
-        the embedding and output layer (as meshtrain's own models). ``sequence_parallel`` is
-        not applied (see the module docstring)."""
-        refusal = self.layout_refusal(tp=2, pp=1)
-        if refusal:
-            raise LayoutError(refusal)
+        """transformers' plan, in torch styles, plus the vocabulary split of the output
+        layer and (where the plan does not say how to split it) of the embedding, as in
+        meshtrain's own models. ``sequence_parallel`` is not applied (module docstring)."""
+        why = self.layout_refusal(tp=2, pp=1)
+        if why:
+            raise LayoutError(why)
+        base = getattr(self, self._mt_base)
+        has_embedding = self._mt_embed_path is not None and _holds(base, self._mt_embed_path)
         plan = {}
-        if len(self._layers()):
-            plan = {f"{self._mt_base}.{key}": STYLES[word]() for key, word in self._mt_tp_words.items()}
+        for key, word in self._mt_tp_words.items():
+            if key.split(".")[0] == self._mt_layers and not len(self._layers()):
+                continue  # a pipeline stage without blocks
+            if key == self._mt_embed_path and not has_embedding:
+                continue  # a pipeline stage after the first
+            style = translate(word)
+            if style is not None:
+                plan[f"{self._mt_base}.{key}"] = style
         if self._mt_embed is None:  # the ends stay whole (FSDP shards them); the logits are plain
             return plan
         embedding, output = vocab_parallel_ends(sequence_parallel=False, loss_parallel=loss_parallel)
-        base = getattr(self, self._mt_base)
-        if getattr(base, self._mt_embed, None) is not None:
-            plan[f"{self._mt_base}.{self._mt_embed}"] = embedding
+        if has_embedding and self._mt_embed_path not in self._mt_tp_words:
+            plan[f"{self._mt_base}.{self._mt_embed_path}"] = embedding
         if self._head() is not None:
             plan[HEAD] = output
         return plan
+
+    def _tied_split_refusal(self) -> str | None:
+        """A tied embedding and output layer are one weight, so TP must split them alike:
+        the output layer by vocabulary rows (meshtrain's, when the embedding is known from
+        the pipeline plan) or not at all. Why the plan's embedding entry does not, or None."""
+        word = self._mt_tp_words.get(self._mt_embed_path)
+        if not self.cfg.tie_embeddings or word is None:
+            return None
+        head_split = self._mt_embed is not None
+        if word == ("embedding_rowwise" if head_split else "replicate"):
+            return None
+        path, name = self._mt_embed_path, type(self).__name__
+        head = "by vocabulary rows" if head_split else "not at all (no base_model_pp_plan names the embedding)"
+        fix = f"{path}=embedding_rowwise" if head_split else f"without {path}"
+        return (f"{name} ties {path} to {HEAD}, which meshtrain splits {head}, but the tensor-parallel plan "
+                f"gives {path} = {word!r}; give [model] hf_tp_plan with {fix}, or use tp = 1")
 
     # ---- pipeline stages ----
 
@@ -309,6 +318,32 @@ class HFModel:
             copy_block_((into or {}).get(pname, param), fulls[pname], f"{name}.{pname}")
 
 
+def _ends(base: nn.Module, pp_plan: dict, layers: str, embedding: str | None) -> tuple[str | None, str | None]:
+    """(embedding, final norm): the children of the base model that base_model_pp_plan lists
+    before and after the layers -- Llama's embed_tokens / layers / norm, GPT-NeoX's
+    embed_in / emb_dropout / layers / final_layer_norm. Anything else listed must hold no
+    weights (a dropout runs on every stage). (None, None) when they cannot be told apart:
+    FSDP's root unit then holds the ends and a pipeline cannot be cut."""
+    names = list(pp_plan)
+    if layers not in names:
+        return None, None
+    before, after = names[:names.index(layers)], names[names.index(layers) + 1:]
+    if embedding not in before or len(after) != 1:
+        return None, None
+    others = [getattr(base, n, None) for n in before if n != embedding]
+    if any(not isinstance(m, nn.Module) or any(True for _ in m.parameters()) for m in others):
+        return None, None
+    return embedding, after[0]
+
+
+def _holds(module: nn.Module, path: str) -> bool:
+    """Whether ``module`` has a submodule at ``path`` (a pipeline stage drops its ends)."""
+    try:
+        return module.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
@@ -346,16 +381,3 @@ def _embeddings_pass_through(model: HFModel) -> bool:
     except _FirstBlockReached as stop:
         reached = stop.args[0]
     return reached is probe
-
-
-def plan_words(entries: list[str], where: str) -> dict[str, str]:
-    """`[model] hf_tp_plan` entries "pattern=style" as a dict, checked."""
-    plan = {}
-    for entry in entries:
-        key, sep, word = (s.strip() for s in entry.partition("="))
-        if not sep or not key or word not in STYLES:
-            raise HFModelError(f"{where}: {entry!r} is not \"module.pattern=style\" with style one of "
-                             f"{', '.join(STYLES)}")
-        plan[key] = word
-    return plan
-

@@ -40,6 +40,17 @@ def full_weights(modules, pp_mesh, drop: set[str]) -> dict[str, torch.Tensor]:
     return {k: v for d in everyone for k, v in d.items()}
 
 
+def tp_placements(modules) -> dict[str, str]:
+    """Each parameter split over tp, by name: its placement there ("Shard(dim=0)")."""
+    found = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+            if "tp" in names:
+                found[canonical_name(name)] = str(p.placements[names.index("tp")])
+    return dict(sorted(found.items()))
+
+
 def run(argv: list[str]) -> dict:
     cfg, _ = parse_args(argv)
     t = cfg.training
@@ -62,8 +73,7 @@ def run(argv: list[str]) -> dict:
         result["grad_norms"].append(norm)
     drop = {alias for names in model.tied_weights() for alias in names[1:]}
     result["final"] = full_weights(parts.modules, submesh(mesh, "pp"), drop)
-    result["tp_sharded"] = sorted(canonical_name(n) for m in parts.modules for n, p in m.named_parameters()
-                                  if isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names)
+    result["tp_sharded"] = tp_placements(parts.modules)
     return result
 
 
