@@ -97,8 +97,8 @@ class TrainingSection:
                     max=2**64 - 1)  # what torch.manual_seed accepts
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables clipping", min=0)
     dataset: str = opt("stdlib", "corpus: stdlib (Python's own sources), text (dataset_path, "
-                       "tokenized at start-up) or tokens (dataset_path prepared by python -m "
-                       "training.prepare_data, memory-mapped; see docs/data.md)",
+                       "tokenized at start-up) or tokens (dataset_path prepared by meshtrain "
+                       "prepare-data, memory-mapped; see docs/data.md)",
                        choices=("stdlib", "text", "tokens"))
     dataset_path: str = opt("", "file or folder for the text dataset; the prepared folder for tokens")
     tokenizer: str = opt("byte", "byte, or the path of a Hugging Face tokenizer.json")
