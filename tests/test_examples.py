@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -68,6 +69,7 @@ def test_the_readme_python_example_trains_under_torchrun(tmp_path):
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", readme, flags=re.S).group(1)
     script = tmp_path / "readme_example.py"
+    shutil.copy(ROOT / "examples" / "custom_model_2d.py", tmp_path)  # "put it beside custom_model_2d.py"
     script.write_text(code + "    if torch.distributed.get_rank() == 0:\n"
                              "        print(f'step {step} loss {loss:.6f}', flush=True)\n")
     assert_learns(run_torchrun(str(script)))
