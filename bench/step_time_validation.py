@@ -3,9 +3,9 @@
     python bench/step_time_validation.py [--markdown]
 
 Each row is a run whose settings its source states (docs/planning.md, "Validation", names
-the sources and what they leave unstated), estimated with planning.cost.estimate exactly
+the sources and what they leave unstated), estimated with planning.estimate.estimate exactly
 as the search would, and printed beside the measured tokens/s per GPU with the error.
-The estimate is not fitted to these rows: the kernel speeds come from planning/hardware.py
+The estimate is not fitted to these rows: the kernel speeds come from physics/gpus.py
 (a measured matmul and copy bandwidth, the published flash-attention efficiency).
 """
 
@@ -19,8 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from meshtrain.planning.cost import Job, Layout, ModelShape, estimate
-from meshtrain.planning.hardware import get_gpu
+from meshtrain.planning.estimate import estimate
+from meshtrain.planning.shape import Job, Layout, ModelShape
+from meshtrain.physics.gpus import get_gpu
 
 H100 = get_gpu("h100-80gb")
 RUN5 = ROOT / "bench/results/2026-11-22_h100_run5.json"

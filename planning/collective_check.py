@@ -12,7 +12,7 @@ pipeline each pp coordinate runs different layers, so every pp coordinate is tra
 the other dimensions the ranks run the same program on different data, so one more rank
 is traced per dimension of size > 1, at the last coordinate of that dimension (it shares
 every group of that dimension with a traced rank), and the world's last rank. Each one's
-training step runs on fake tensors (`planning.dry_run`, one micro-batch per stage: the
+training step runs on fake tensors (`planning.traced_step`, one micro-batch per stage: the
 sequence repeats per micro-batch) while every collective is recorded in order: group,
 operation, shape, dtype and the phase of the step that issued it. Then:
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshtrain.planning.dry_run import CountCollectives
+from meshtrain.planning.collectives import CountCollectives
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,9 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int) -> tuple[Ran
     """Record the collectives of one training step of ``rank`` (and its layout)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from meshtrain.planning.dry_run import build_rank, init_fake_world, mesh_group_names, trace_step
+    from meshtrain.planning.collectives import mesh_group_names
+    from meshtrain.planning.fake_world import init_fake_world
+    from meshtrain.planning.traced_step import build_rank, trace_step
     from meshtrain.training import recipe
 
     init_fake_world(rank, world_size)

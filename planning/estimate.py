@@ -1,5 +1,6 @@
-"""The planner's estimate for one given config, not a search: memory per GPU by category,
-step time by part, tokens/s/GPU and MFU, from the same formulas `planning.plan` ranks with.
+"""The planner's estimate of a layout: memory per GPU by category (planning/memory.py),
+step time by part (planning/step_time.py), tokens/s/GPU and MFU. `planning.plan` ranks
+layouts by it; for one given config, not a search:
 
     python -m planning.estimate --config llama70b_2d --world-size 64 --gpu h100-80gb [--json]
 
@@ -14,14 +15,47 @@ import argparse
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass, field
 
 from meshtrain.models import registry
-from meshtrain.planning.cost import Estimate, Job, Layout, ModelShape, estimate
-from meshtrain.planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+from meshtrain.physics.flops import flops_per_token  # the FLOPs train.py reports MFU with
+from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+from meshtrain.planning.memory import Memory, memory_per_gpu
+from meshtrain.planning.report import format_breakdown
+from meshtrain.planning.shape import Job, Layout, ModelShape
+from meshtrain.planning.step_time import step_time
+
 
 AC_MODELLED = ("none", "selective", "full", "op")
 SCHEDULES_MODELLED = ("1F1B", "Interleaved1F1B")
 
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: Memory
+    step_time: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    comm_bytes: dict[str, float]   # per GPU per step, sent, by mesh dimension
+    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, optimizer
+    fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
+    compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
+
+
+def estimate(job: Job, lay: Layout) -> Estimate:
+    """Memory per GPU and step time of ``lay``, and the throughput and MFU they make."""
+    t = step_time(job, lay)
+    m, tokens = job.model, job.global_batch * job.seq_len
+    tps = tokens / t.seconds / job.world
+    model_flops = flops_per_token(m.n_params, m.embedding, m.n_layers, m.dim, job.seq_len)
+    return Estimate(
+        layout=lay, memory=memory_per_gpu(job, lay), step_time=t.seconds, tokens_per_s_per_gpu=tps,
+        mfu=tps * model_flops / job.gpu.peak_bf16_flops, comm_bytes=t.comm_bytes, times=t.times,
+        fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split)
+
+
+# ---------------------------------------------------------------- a train.py config
 
 class NotModelled(ValueError):
     """The config uses something the formulas do not cover; the message says what."""
@@ -104,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(as_dict(e, gpu), indent=1))
     else:
-        from meshtrain.planning.plan import format_breakdown
-
         print(format_breakdown(e, gpu, f"{cfg.job.name} at {args.world_size} ranks on {gpu.name}"))
         print(f"  throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%}")
         print(f"  error bands (docs/planning.md, Validation): memory within 10% of the dry run's trace "

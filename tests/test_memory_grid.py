@@ -1,9 +1,9 @@
 """The planner's memory estimate is within 10% of the dry run's traced peak over a grid.
 
 Each point is a layout the planner can write (`plan --write`): it is estimated
-(planning.cost, activations from the traced two-block probe of planning/activations.py),
+(planning.estimate, activations from the traced two-block probe of planning/activations.py),
 written as a train.py config, and dry-run at its full world size on the pipeline rank
-the estimate calls fullest (planning.plan.trace). The grid crosses TP 1-8, no pipeline
+the estimate calls fullest (planning.verify.trace). The grid crosses TP 1-8, no pipeline
 and pipelines of 2 and 4 ranks (1F1B and interleaved), every AC mode, FULL_SHARD,
 SHARD_GRAD_OP and HYBRID_SHARD, on Llama 3 8B and 70B. Llama 3 405B at 512 ranks (pp 8
 interleaved x tp 8) is checked the same way in tests/test_dry_run.py, whose trace it
@@ -18,9 +18,11 @@ with its fp32 gradients accumulating from its first backward to the step's end).
 
 import pytest
 
-from meshtrain.planning.cost import Job, Layout, estimate
-from meshtrain.planning.hardware import GIB, get_gpu
-from meshtrain.planning.plan import resolve_model, trace
+from meshtrain.planning.estimate import estimate
+from meshtrain.physics.gpus import GIB, get_gpu
+from meshtrain.planning.plan import resolve_model
+from meshtrain.planning.shape import Job, Layout
+from meshtrain.planning.verify import trace
 
 H100 = get_gpu("h100-80gb")
 

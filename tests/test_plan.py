@@ -12,14 +12,19 @@ import pytest
 from meshtrain.training import recipe
 from meshtrain.models.llama import Llama
 from meshtrain.parallel import ParallelDims, check_tp_fits
-from meshtrain.planning.cost import (BF16, FP32, Job, Layout, ModelShape, estimate, fsdp2_model_states, fsdp_rounds,
-                           layer_activation_bytes, memory_per_gpu, rank_local_params, rank_shares,
-                           zero_model_states)
+from meshtrain.planning.estimate import estimate
+from meshtrain.planning.memory import (BF16, FP32, fsdp2_model_states, layer_activation_bytes, memory_per_gpu,
+                                       rank_local_params, zero_model_states)
+from meshtrain.planning.shape import Job, Layout, ModelShape
+from meshtrain.planning.shares import rank_shares
+from meshtrain.planning.step_time import fsdp_rounds
 from meshtrain.parallel.fsdp import check_strategy
-from meshtrain.planning.hardware import GIB, get_gpu
+from meshtrain.physics.gpus import GIB, get_gpu
 from meshtrain.parallel.pipeline import check_pipeline
-from meshtrain.planning.hardware import HEADROOM
-from meshtrain.planning.plan import plan, resolve_model, run, to_toml
+from meshtrain.physics.gpus import HEADROOM
+from meshtrain.planning.plan import resolve_model, run
+from meshtrain.planning.report import to_toml
+from meshtrain.planning.search import plan
 from tests.conftest import ROOT
 from meshtrain.training.config_loader import load_config
 from meshtrain.training.metrics import flops_per_token
@@ -276,7 +281,7 @@ def test_verify_dry_runs_the_top_layouts_and_reranks_by_traced_memory(capsys, mo
     # The real dry run on a small model: each verified layout gets a traced peak.
     job = Job(resolve_model("1B"), H100, nodes=1, gpus_per_node=4, seq_len=1024, global_batch=4)
     fitting, _, _ = plan(job)
-    from meshtrain.planning.plan import verify
+    from meshtrain.planning.verify import verify
 
     kept = verify(fitting[:2], job)
     lines = [line for line in capsys.readouterr().out.splitlines() if "traced" in line]
