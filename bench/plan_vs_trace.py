@@ -21,7 +21,8 @@ from meshtrain.planning.estimate import estimate
 from meshtrain.physics.gpus import GIB, get_gpu, usable_bytes
 from meshtrain.planning.plan import resolve_model
 from meshtrain.planning.report import describe
-from meshtrain.planning.search import AC_MODES, candidates, check_layout
+from meshtrain.parallel.vocabulary import AC_MODES
+from meshtrain.planning.search import candidates, check_layout
 from meshtrain.planning.shape import Job
 from meshtrain.planning.verify import trace
 

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+from meshtrain.parallel.vocabulary import DIM_NAMES
+
 # Sub-meshes made of several dimensions: "dp" (the batch is split over it), "dp_shard_cp"
 # (FSDP shards over it), "dp_cp" (every rank holding the same weights under NO_SHARD).
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),

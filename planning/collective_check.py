@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from meshtrain.parallel.vocabulary import DIM_NAMES, WHOLE_BACKWARD
 from meshtrain.planning.collectives import CountCollectives
 
 
@@ -98,8 +99,6 @@ class RecordCollectives(CountCollectives):
 # ---------------------------------------------------------------- which ranks
 
 def coordinates(dims, rank: int) -> dict[str, int]:
-    from meshtrain.parallel.mesh import DIM_NAMES
-
     out = {}
     for name in reversed(DIM_NAMES):  # the last dimension varies fastest
         size = getattr(dims, name)
@@ -108,8 +107,6 @@ def coordinates(dims, rank: int) -> dict[str, int]:
 
 
 def rank_of(dims, coords: dict[str, int]) -> int:
-    from meshtrain.parallel.mesh import DIM_NAMES
-
     rank = 0
     for name in DIM_NAMES:
         rank = rank * getattr(dims, name) + coords.get(name, 0)
@@ -119,8 +116,6 @@ def rank_of(dims, coords: dict[str, int]) -> int:
 def representatives(dims) -> list[int]:
     """Every pp coordinate (others at 0); the last coordinate of each other dimension of
     size > 1 (others at 0); the world's last rank."""
-    from meshtrain.parallel.mesh import DIM_NAMES
-
     ranks = [rank_of(dims, {"pp": p}) for p in range(dims.pp)]
     ranks += [rank_of(dims, {d: getattr(dims, d) - 1}) for d in DIM_NAMES[1:] if getattr(dims, d) > 1]
     ranks.append(dims.world_size - 1)
@@ -214,12 +209,12 @@ def play_schedule(layout) -> list[str]:
     each other: a forward waits for the previous stage's forward of its micro-batch, a
     backward for the next stage's backward; stages sit on the ranks `stage_ids` puts them."""
     from meshtrain.parallel.pipeline import stage_ids
-    from meshtrain.planning.schedule import SUPPORTED, Deadlock, play, rank_actions
+    from meshtrain.planning.schedule import Deadlock, play, rank_actions
 
     if layout.stage_layers is None:
         return []
     pp, n_stages = layout.dims.pp, len(layout.stage_layers)
-    if layout.schedule not in SUPPORTED:
+    if layout.schedule not in WHOLE_BACKWARD:
         return []  # no F/B model for the zero-bubble schedules; the groups were still compared
     lists = rank_actions(layout.schedule, pp, layout.stages_per_rank, layout.n_microbatches)
     problems = []

@@ -18,16 +18,13 @@ import sys
 from dataclasses import dataclass, field
 
 from meshtrain.models import registry
+from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.physics.flops import flops_per_token  # the FLOPs train.py reports MFU with
 from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 from meshtrain.planning.memory import Memory, memory_per_gpu
 from meshtrain.planning.report import format_breakdown
-from meshtrain.planning.shape import Job, Layout, ModelShape
+from meshtrain.planning.shape import PLANNED_SCHEDULES, Job, Layout, ModelShape
 from meshtrain.planning.step_time import step_time
-
-
-AC_MODELLED = ("none", "selective", "full", "op")
-SCHEDULES_MODELLED = ("1F1B", "Interleaved1F1B")
 
 
 @dataclass
@@ -65,14 +62,14 @@ def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu)
     """The planner's (Job, Layout) for a train.py config whose layout train.py resolved
     (training.recipe.plan_layout) and whose model it built (``model``, on meta)."""
     ac, p = cfg.activation_checkpoint, cfg.parallelism
-    if ac.mode not in AC_MODELLED or (ac.mode == "selective" and ac.selective_every != 2):
+    if ac.mode == "selective" and ac.selective_every != 2:
         raise NotModelled(f"[activation_checkpoint] mode = \"{ac.mode}\"" +
                           (f", selective_every = {ac.selective_every}" if ac.mode == "selective" else "") +
                           ": the planner knows none, full, op, and selective with every 2nd block")
-    if layout.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+    if STRATEGIES[layout.strategy] == 0:  # NO_SHARD
         raise NotModelled(f"sharding strategy {layout.strategy}: the formulas assume FSDP shards the model")
-    if layout.pipelined and layout.schedule not in SCHEDULES_MODELLED:
-        raise NotModelled(f"pp_schedule = \"{layout.schedule}\": the formulas know {', '.join(SCHEDULES_MODELLED)}")
+    if layout.pipelined and layout.schedule not in PLANNED_SCHEDULES:
+        raise NotModelled(f"pp_schedule = \"{layout.schedule}\": the formulas know {', '.join(PLANNED_SCHEDULES)}")
     if p.pp_layers_per_stage or p.pp_split_points:
         raise NotModelled("a hand-placed pipeline split: the formulas split layers evenly")
     model_cfg = model.cfg

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.planning.activations import profile_for
 from meshtrain.planning.schedule import rank_actions
 from meshtrain.planning.shape import Job, Layout, ModelShape
@@ -114,7 +115,7 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: Layout) -> float:
     local, unit = rank_local_params(m, share, lay.tp), largest_unit(m, share, lay.tp)
     if lay.pp > 1:
         return (BF16 + FP32) * local + BF16 * unit
-    if lay.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2"):
+    if STRATEGIES[lay.strategy] == 2:  # ZeRO-2: kept gathered from forward to backward
         return BF16 * local + (BF16 + FP32) * unit
     return (2 * BF16 + BF16 + FP32) * unit
 
@@ -164,7 +165,7 @@ def traced_memory(job: Job, lay: Layout, rank: int, share: RankShare, prof) -> M
     local = rank_local_params(m, share, t)
     shard = lay.fsdp_shard
     mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=2 * FP32 * local / shard)
-    zero2 = lay.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+    zero2 = STRATEGIES[lay.strategy] == 2
     accumulating = lay.local_batch(job) > b * (lay.pp_microbatches if lay.pp > 1 else 1)
     held_grads = FP32 * local / shard if accumulating else 0.0
     gathered = lambda *units: BF16 * (local if zero2 else sum(units))

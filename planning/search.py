@@ -14,14 +14,12 @@ from collections import Counter
 from meshtrain.parallel.context_parallel import check_cp_fits
 from meshtrain.parallel.fsdp import check_strategy
 from meshtrain.parallel.mesh import LayoutError, ParallelDims, check_tp_fits
+from meshtrain.parallel.vocabulary import AC_MODES, STRATEGIES, default_stages_per_rank
 from meshtrain.physics.gpus import usable_bytes
 from meshtrain.planning.estimate import Estimate, estimate
 from meshtrain.planning.memory import memory_per_gpu
-from meshtrain.planning.shape import Job, Layout
+from meshtrain.planning.shape import PLANNED_SCHEDULES, Job, Layout
 
-AC_MODES = ("none", "selective", "full", "op")
-# (schedule, stages per rank). GPipe is left out: same bubble as 1F1B, more memory.
-PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
 # Context parallelism is tried from this sequence length on: below it a sequence's
 # activations fit beside the model states on one GPU, and cp only adds all-to-alls.
 LONG_SEQ = 32_768
@@ -58,10 +56,12 @@ def candidates(job: Job):
             for dp_replicate in divisors(dp):
                 if dp == dp_replicate and cp == 1:  # no shard group: FSDP would not be applied (NO_SHARD)
                     continue
-                strategies = (("HYBRID_SHARD", "HYBRID_SHARD_ZERO2") if dp_replicate > 1
-                              else ("FULL_SHARD", "SHARD_GRAD_OP"))
+                # The sharding strategies (ZeRO-3 and ZeRO-2), in their HYBRID form with replicas.
+                strategies = [s for s, zero in STRATEGIES.items()
+                              if zero and s.startswith("HYBRID") == (dp_replicate > 1)]
                 local = job.global_batch // dp if job.global_batch % dp == 0 else 1
-                schedules = PP_SCHEDULES if pp > 1 else (("1F1B", 1),)
+                schedules = ([(s, default_stages_per_rank(s)) for s in PLANNED_SCHEDULES] if pp > 1
+                             else [("1F1B", 1)])
                 for micro_batch in divisors(local):
                     for schedule, v in schedules:
                         for strategy in strategies:

@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from meshtrain.models import registry
 from meshtrain.physics.gpus import GPU
 
+# The pipeline schedules the planner searches and estimates, of all parallel's
+# (parallel/vocabulary.py): 1F1B and its interleaved form. GPipe and LoopedBFS have their
+# bubbles and hold more micro-batches in flight, so they never win; the zero-bubble ones
+# split a backward in two, which the step-time model does not.
+PLANNED_SCHEDULES = ("1F1B", "Interleaved1F1B")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -99,8 +105,8 @@ class Layout:
     pp: int
     dp_replicate: int
     dp_shard: int
-    strategy: str               # FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2
-    ac: str                     # none, selective (every 2nd block), full
+    strategy: str               # one of parallel.vocabulary.STRATEGIES that shards (not NO_SHARD)
+    ac: str                     # one of parallel.vocabulary.AC_MODES (selective: every 2nd block)
     micro_batch: int            # sequences per forward (per pipeline micro-batch under pp)
     pp_schedule: str = "1F1B"   # only meaningful with pp > 1
     pp_microbatches: int = 1    # m: micro-batches per step through the pipeline

@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtrain.parallel.pipeline import SCHEDULES, check_pipeline, stage_ids
-from meshtrain.planning.schedule import SUPPORTED, in_flight_at_peak, rank_actions
+from meshtrain.parallel.pipeline import check_pipeline, stage_ids
+from meshtrain.parallel.vocabulary import WHOLE_BACKWARD, placement
+from meshtrain.planning.schedule import in_flight_at_peak, rank_actions
 from meshtrain.planning.shape import Job, Layout
 
 
@@ -39,12 +40,12 @@ def rank_shares(job: Job, lay: Layout) -> list[RankShare]:
         return [RankShare((L,), True, True, inflight=L, head_inflight=1)]
     stages = check_pipeline(pp=pp, n_layers=L, schedule=lay.pp_schedule, stages_per_rank=v,
                             n_microbatches=m, local_batch=lay.local_batch(job))
-    style = SCHEDULES[lay.pp_schedule][1]
+    style = placement(lay.pp_schedule)
     shares = []
     for r in range(pp):
         ids = stage_ids(r, pp, len(stages), style)
         sizes = tuple(len(stages[s]) for s in ids)
-        if lay.pp_schedule not in SUPPORTED or style != "loop":
+        if lay.pp_schedule not in WHOLE_BACKWARD or style != "loop":
             raise ValueError(f"no activation-memory model for pp_schedule {lay.pp_schedule!r}")
         # Counted from torch's own order of this rank's forwards and backwards (the one the
         # dry run replays, planning/schedule.py), not a closed form: layers x micro-batches

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshtrain.parallel.context_parallel import kv_repeats
+from meshtrain.parallel.vocabulary import STRATEGIES, WHOLE_BACKWARD
 from meshtrain.planning.kernels import block_seconds, head_seconds
 from meshtrain.planning.memory import BF16, FP32, largest_unit, rank_local_params
-from meshtrain.planning.schedule import SUPPORTED, makespan
+from meshtrain.planning.schedule import makespan
 from meshtrain.planning.shape import Job, Layout, ModelShape
 from meshtrain.planning.shares import checkpointed_blocks, rank_shares
 
@@ -25,7 +26,7 @@ def fsdp_rounds(lay: Layout, job: Job) -> tuple[int, int]:
     Pipeline: SHARD_GRAD_OP gathers once per step; FULL_SHARD re-gathers after every
     forward, m + 1 times (the 3 + 2n measured in docs/pipeline.md for 2 resharding units
     and 1 that is not); one reduce-scatter per step either way."""
-    zero2 = lay.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+    zero2 = STRATEGIES[lay.strategy] == 2
     n = lay.micro_batches(job)
     if lay.pp > 1:
         return (1 if zero2 else n + 1), 1
@@ -99,11 +100,10 @@ def step_time(job: Job, lay: Layout) -> StepTime:
     worst = max(range(len(shares)), key=lambda r: sum(per_mb[r]))
     compute, tp_time, pp_time, cp_time = (x * n_mb for x in per_mb[worst])
     busy = compute + tp_time + pp_time + cp_time
-    # Bubble: fill and drain take (pp - 1) micro-batch slots, v times shorter when interleaved.
     # Bubble: play torch's own schedule out with this rank's times (planning/schedule.py),
     # a backward twice a forward; for 1F1B that is fill and drain, (pp - 1) micro-batches.
     bubble = 0.0
-    if lay.pp > 1 and lay.pp_schedule in SUPPORTED:
+    if lay.pp > 1 and lay.pp_schedule in WHOLE_BACKWARD:
         chunk = busy / n_mb / lay.stages_per_rank  # one micro-batch through one stage
         bubble = makespan(lay.pp_schedule, lay.pp, lay.stages_per_rank, n_mb, chunk / 3, 2 * chunk / 3) - busy
     elif lay.pp > 1:

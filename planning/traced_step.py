@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.parallel import clip_grad_norm_, loss_parallel_context, submesh
 from meshtrain.parallel.grad_clip import _whole_group
-from meshtrain.planning.schedule import SUPPORTED, Action, rank_actions, replay_prefix
+from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
+from meshtrain.planning.schedule import Action, rank_actions, replay_prefix
 from meshtrain.training import recipe
 from meshtrain.training.step import cross_entropy
 
@@ -48,10 +49,10 @@ def init_optimizer_state(parts, optimizers, accumulating: bool = False) -> None:
     optimizers.zero_grad(set_to_none=not accumulating)
 
 
-def in_flight(schedule: str, n_micro: int, stage: int, n_stages: int) -> int:
+def in_flight(n_micro: int, stage: int, n_stages: int) -> int:
     """For schedules without an F/B action model (the zero-bubble ones): micro-batches
     whose activations one stage holds at once, the 1F1B family's count."""
-    return n_micro if schedule in ("GPipe", "LoopedBFS") else min(n_micro, n_stages - stage)
+    return min(n_micro, n_stages - stage)
 
 
 def rank_seq(cfg, layout) -> int:
@@ -112,12 +113,12 @@ def pipeline_actions(layout, stage_ids: list[int]) -> list:
     45 GiB on Llama 3 8B, pp 2 interleaved). For a schedule without an F/B model, each
     stage's in-flight forwards then their backwards, one stage after another."""
     pp, n_micro = layout.dims.pp, layout.n_microbatches
-    if layout.schedule in SUPPORTED and layout.placement == "loop":
+    if layout.schedule in WHOLE_BACKWARD and layout.placement == "loop":
         actions = rank_actions(layout.schedule, pp, layout.stages_per_rank, n_micro)[stage_ids[0] % pp]
         return replay_prefix(actions)
     n_stages, out = len(layout.stage_layers), []
     for s in stage_ids:
-        k = in_flight(layout.schedule, n_micro, s, n_stages)
+        k = in_flight(n_micro, s, n_stages)
         out += [Action("F", s, i) for i in range(k)] + [Action("B", s, i) for i in reversed(range(k))]
     return out
 

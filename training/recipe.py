@@ -28,9 +28,10 @@ from meshtrain.parallel.async_tp import async_tp_unavailable
 from meshtrain.parallel.context_parallel import check_cp_fits
 from meshtrain.parallel.float8 import apply_float8, float8_unavailable
 from meshtrain.parallel.fsdp import check_strategy
-from meshtrain.parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
+from meshtrain.parallel.pipeline import build_schedule, check_pipeline, split_into_stages
 from meshtrain.parallel.tensor_parallel import check_tp_plan
 from meshtrain.parallel.tied import tie_across_stages
+from meshtrain.parallel.vocabulary import default_stages_per_rank, placement
 from meshtrain.training.checkpoint import CheckpointError, CheckpointManager
 from meshtrain.training.config import ConfigError, JobConfig
 from meshtrain.training.config_loader import config_to_toml
@@ -175,7 +176,7 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
     except LayoutError as err:
         raise LayoutError(f"[parallelism] pp = {dims.pp}, pp_schedule = \"{p.pp_schedule}\": {err}") from None
     layout.schedule, layout.n_microbatches, layout.stages_per_rank = p.pp_schedule, micro, per_rank
-    layout.placement = SCHEDULES[p.pp_schedule][1]
+    layout.placement = placement(p.pp_schedule)
     return layout
 
 
