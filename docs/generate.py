@@ -56,7 +56,7 @@ def read_groups(degrees: dict[str, int]) -> tuple[dict[str, list[tuple[int, ...]
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtrain.parallel.fsdp import resolve_strategy
-    from meshtrain.parallel.mesh import ParallelDims, submesh
+    from meshtrain.parallel import ParallelDims, submesh
 
     found: dict[str, set[tuple[int, ...]]] = {}
     for rank in range(WORLD):

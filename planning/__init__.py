@@ -8,7 +8,7 @@ is allocated.
 Each file has one concern; imports go one way, from the bottom of this list to the top
 (tests/test_imports.py checks it). Below all of it, physics/gpus.py holds the GPUs.
 
-    shape.py        what is planned: the model's sizes, the job, a layout
+    shape.py        what is planned: the model's sizes, the job (a layout is parallel's ParallelDims)
     schedule.py     torch's pipeline schedules as lists of forwards and backwards
     kernels.py      compute seconds of a block, op class by op class
     shares.py       what each pipeline rank holds and runs

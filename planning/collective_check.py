@@ -143,7 +143,7 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int) -> tuple[Ran
     init_fake_world(rank, world_size)
     try:
         model, layout, mesh, parts = build_rank(cfg, world_size, gpus_per_node)
-        trace = RankTrace(rank, coordinates(layout.dims, rank))
+        trace = RankTrace(rank, coordinates(layout, rank))
         modules = [part for _, part in parts]
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in modules:
@@ -213,16 +213,16 @@ def play_schedule(layout) -> list[str]:
 
     if layout.stage_layers is None:
         return []
-    pp, n_stages = layout.dims.pp, len(layout.stage_layers)
-    if layout.schedule not in WHOLE_BACKWARD:
+    pp, n_stages = layout.pp, len(layout.stage_layers)
+    if layout.pp_schedule not in WHOLE_BACKWARD:
         return []  # no F/B model for the zero-bubble schedules; the groups were still compared
-    lists = rank_actions(layout.schedule, pp, layout.stages_per_rank, layout.n_microbatches)
+    lists = rank_actions(layout.pp_schedule, pp, layout.stages_per_rank, layout.pp_microbatches)
     problems = []
     for r, actions in enumerate(lists):
         held = set(stage_ids(r, pp, n_stages, layout.placement))
         stray = sorted({a.stage for a in actions} - held)
         if stray:
-            problems.append(f"the {layout.schedule} schedule runs stage(s) {stray} on pp rank {r}, which holds "
+            problems.append(f"the {layout.pp_schedule} schedule runs stage(s) {stray} on pp rank {r}, which holds "
                             f"stages {sorted(held)} ({layout.placement} placement)")
     if problems:
         return problems
@@ -231,7 +231,7 @@ def play_schedule(layout) -> list[str]:
     except Deadlock as stuck:
         waiting = [f"pp rank {r} at its {'forward' if a.kind == 'F' else 'backward'} of stage {a.stage}, "
                    f"micro-batch {a.microbatch}" for r, a in stuck.waiting]
-        return [f"the {layout.schedule} schedule deadlocks: " + "; ".join(waiting) + " wait for each other"]
+        return [f"the {layout.pp_schedule} schedule deadlocks: " + "; ".join(waiting) + " wait for each other"]
     return []
 
 
@@ -241,7 +241,7 @@ def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, ranks: li
     problems found, each in one line (empty: no hang found)."""
     started = time.perf_counter()
     first, layout = trace_rank(cfg, world_size, (ranks or [0])[0], gpus_per_node)
-    ranks = ranks or representatives(layout.dims)
+    ranks = ranks or representatives(layout)
     say(f"meshtrain collective check: tracing {len(ranks)} representative ranks of {world_size}: {_short(ranks)}")
     traces = [first]
     for rank in ranks[1:]:

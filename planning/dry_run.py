@@ -29,7 +29,7 @@ from meshtrain.physics.gpus import CUDA_CONTEXT, get_gpu, runtime_bytes, usable_
 from meshtrain.physics.gpus import GIB as GiB
 from meshtrain.physics.gpus import HEADROOM
 from meshtrain.planning.collectives import CountCollectives, mesh_group_names
-from meshtrain.planning.estimate import NotModelled, estimate, planner_layout
+from meshtrain.planning.estimate import NotModelled, estimate, planner_job
 from meshtrain.planning.fake_world import breakdown, init_fake_world, memory_tracker, sharding_propagation_untracked
 from meshtrain.planning.traced_step import activation_seq, build_rank, init_optimizer_state, trace_step
 from meshtrain.training import recipe
@@ -69,7 +69,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
             optimizers, _ = recipe.build_optimizer(cfg, modules)
-            init_optimizer_state(modules, optimizers, accumulating=layout.grad_accum > 1)
+            init_optimizer_state(modules, optimizers, accumulating=layout.grad_accum(cfg.training.global_batch_size) > 1)
             tracker = memory_tracker(modules, optimizers)
             tracker.track_external(*optimizers.optimizers)
             comm = CountCollectives(names)
@@ -105,11 +105,11 @@ def judge_fit(peak: int, card, cfg, layout, model, world_size: int, gpus_per_nod
     out = {"gpu": card.name, "capacity": card.hbm_bytes, "usable": usable_bytes(card),
            "fits": peak <= usable_bytes(card)}
     try:
-        e = estimate(*planner_layout(cfg, layout, model, world_size, gpus_per_node, card))
+        e = estimate(planner_job(cfg, layout, model, world_size, gpus_per_node, card), layout)
     except NotModelled as err:
         out["estimate_missing"] = str(err)
         return out
-    pp_rank = rank // (world_size // layout.dims.pp)  # pp is the outermost mesh dimension
+    pp_rank = rank // (world_size // layout.pp)  # pp is the outermost mesh dimension
     out["estimate"] = {"total": e.memory.total, "pp_rank": e.memory.pp_rank, "traced_pp_rank": pp_rank,
                        "fits": e.memory.total <= usable_bytes(card)}
     return out
@@ -119,7 +119,8 @@ def _pipeline_boundary(cfg, layout, parts, model_cfg) -> dict:
     """Send/recv per step at this rank's stage boundaries: each micro-batch's activation
     forward and its gradient backward, [micro-batch, seq (/tp with SP), dim] each."""
     t, n_stages = cfg.training, len(layout.stage_layers)
-    n_micro, local, accum, seq = layout.n_microbatches, layout.local_batch, layout.grad_accum, activation_seq(cfg, layout)
+    n_micro, local, seq = layout.pp_microbatches, layout.local_batch, activation_seq(cfg, layout)
+    accum = layout.grad_accum(t.global_batch_size)
     elem = 2 if t.mixed_precision_param == "bfloat16" else 4
     per_mb = (local // n_micro) * seq * model_cfg.dim * elem
     boundaries = sum((i > 0) + (i < n_stages - 1) for i, _ in parts)  # sends + receives ...

@@ -18,18 +18,19 @@ import sys
 from dataclasses import dataclass, field
 
 from meshtrain.models import registry
+from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.physics.flops import flops_per_token  # the FLOPs train.py reports MFU with
 from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 from meshtrain.planning.memory import Memory, memory_per_gpu
 from meshtrain.planning.report import format_breakdown
-from meshtrain.planning.shape import PLANNED_SCHEDULES, Job, Layout, ModelShape
+from meshtrain.planning.shape import PLANNED_SCHEDULES, Job, ModelShape
 from meshtrain.planning.step_time import step_time
 
 
 @dataclass
 class Estimate:
-    layout: Layout
+    layout: ParallelDims
     memory: Memory
     step_time: float
     tokens_per_s_per_gpu: float
@@ -40,7 +41,7 @@ class Estimate:
     compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
 
 
-def estimate(job: Job, lay: Layout) -> Estimate:
+def estimate(job: Job, lay: ParallelDims) -> Estimate:
     """Memory per GPU and step time of ``lay``, and the throughput and MFU they make."""
     t = step_time(job, lay)
     m, tokens = job.model, job.global_batch * job.seq_len
@@ -58,18 +59,19 @@ class NotModelled(ValueError):
     """The config uses something the formulas do not cover; the message says what."""
 
 
-def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu) -> tuple[Job, Layout]:
-    """The planner's (Job, Layout) for a train.py config whose layout train.py resolved
-    (training.recipe.plan_layout) and whose model it built (``model``, on meta)."""
+def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node: int, gpu) -> Job:
+    """The planner's Job for a train.py config whose layout train.py resolved
+    (training.recipe.plan_layout: the layout the planner then estimates, as it is) and whose
+    model it built (``model``, on meta). NotModelled for what the formulas lack."""
     ac, p = cfg.activation_checkpoint, cfg.parallelism
-    if ac.mode == "selective" and ac.selective_every != 2:
+    if layout.ac == "selective" and ac.selective_every != 2:
         raise NotModelled(f"[activation_checkpoint] mode = \"{ac.mode}\"" +
                           (f", selective_every = {ac.selective_every}" if ac.mode == "selective" else "") +
                           ": the planner knows none, full, op, and selective with every 2nd block")
     if STRATEGIES[layout.strategy] == 0:  # NO_SHARD
         raise NotModelled(f"sharding strategy {layout.strategy}: the formulas assume FSDP shards the model")
-    if layout.pipelined and layout.schedule not in PLANNED_SCHEDULES:
-        raise NotModelled(f"pp_schedule = \"{layout.schedule}\": the formulas know {', '.join(PLANNED_SCHEDULES)}")
+    if layout.pipelined and layout.pp_schedule not in PLANNED_SCHEDULES:
+        raise NotModelled(f"pp_schedule = \"{layout.pp_schedule}\": the formulas know {', '.join(PLANNED_SCHEDULES)}")
     if p.pp_layers_per_stage or p.pp_split_points:
         raise NotModelled("a hand-placed pipeline split: the formulas split layers evenly")
     model_cfg = model.cfg
@@ -80,15 +82,8 @@ def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu)
                                       family=cfg.model.name, learned_positions=model.learned_positions())
     shape = dataclasses.replace(shape, n_layers=model_cfg.n_layers)  # [model] n_layers may override
     per_node = min(gpus_per_node, world_size)
-    job = Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
-              compiled=cfg.compile.enable)
-    dims = layout.dims
-    lay = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                 strategy=layout.strategy, ac=ac.mode,
-                 micro_batch=layout.local_batch // layout.n_microbatches if layout.pipelined else layout.local_batch,
-                 pp_schedule=layout.schedule or "1F1B", pp_microbatches=layout.n_microbatches,
-                 stages_per_rank=layout.stages_per_rank, cp=dims.cp)
-    return job, lay
+    return Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
+               compiled=cfg.compile.enable)
 
 
 def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:
@@ -98,7 +93,7 @@ def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:
 
     model = recipe.build_model(cfg, tokenizer_vocab=1)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
-    return estimate(*planner_layout(cfg, layout, model, world_size, gpus_per_node, gpu))
+    return estimate(planner_job(cfg, layout, model, world_size, gpus_per_node, gpu), layout)
 
 
 def as_dict(e: Estimate, gpu) -> dict:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.planning.activations import profile_for
 from meshtrain.planning.schedule import rank_actions
-from meshtrain.planning.shape import Job, Layout, ModelShape
+from meshtrain.planning.shape import Job, ModelShape, rank_batch
 from meshtrain.planning.shares import RankShare, checkpointed_blocks, rank_shares
 
 BF16, FP32 = 2, 4
@@ -101,7 +102,7 @@ class Memory:
         return self.params + self.grads + self.optimizer + self.activations + self.transient
 
 
-def transient_bytes(m: ModelShape, share: RankShare, lay: Layout) -> float:
+def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float:
     """FSDP2's unsharded state at the peak.
     No pipeline, FULL_SHARD / HYBRID_SHARD: two units gathered in bf16 (the one running and
       the one prefetched) and, in backward, one unit's bf16 gradient with its fp32 copy for
@@ -120,7 +121,7 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: Layout) -> float:
     return (2 * BF16 + BF16 + FP32) * unit
 
 
-def memory_per_gpu(job: Job, lay: Layout) -> Memory:
+def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
     """Peak bytes per GPU on the worst pipeline rank (the one with the largest total).
     Activations come from a traced probe of two blocks (planning/activations.py) where the
     family can build one; otherwise from the formulas above."""
@@ -143,7 +144,7 @@ def _units(m: ModelShape, tp: int) -> tuple[float, float, float]:
             (m.head_split if not m.tied else m.embedding) / tp + m.head_replicated)
 
 
-def traced_memory(job: Job, lay: Layout, rank: int, share: RankShare, prof) -> Memory:
+def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof) -> Memory:
     """Pipeline rank ``rank``'s peak from the probe's per-sequence bytes and FSDP2's rules,
     as the largest of the moments of its step.
 
@@ -166,7 +167,7 @@ def traced_memory(job: Job, lay: Layout, rank: int, share: RankShare, prof) -> M
     shard = lay.fsdp_shard
     mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=2 * FP32 * local / shard)
     zero2 = STRATEGIES[lay.strategy] == 2
-    accumulating = lay.local_batch(job) > b * (lay.pp_microbatches if lay.pp > 1 else 1)
+    accumulating = rank_batch(job, lay) > lay.local_batch
     held_grads = FP32 * local / shard if accumulating else 0.0
     gathered = lambda *units: BF16 * (local if zero2 else sum(units))
     if lay.pp == 1:
@@ -206,7 +207,7 @@ def traced_memory(job: Job, lay: Layout, rank: int, share: RankShare, prof) -> M
     return mem
 
 
-def formula_activations(job: Job, lay: Layout, share: RankShare) -> float:
+def formula_activations(job: Job, lay: ParallelDims, share: RankShare) -> float:
     """The closed forms (a Llama-shaped block): for families the probe cannot build."""
     # Under context parallelism every activation holds this rank's seq / cp tokens (the
     # all-to-alls trade tokens for heads: q, k, v keep their bytes).

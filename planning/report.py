@@ -5,10 +5,11 @@ layout's breakdown, and a layout written as a train.py config."""
 from __future__ import annotations
 
 from meshtrain.physics.gpus import GIB, HEADROOM, usable_bytes
-from meshtrain.planning.shape import Job, Layout
+from meshtrain.parallel.layout import ParallelDims
+from meshtrain.planning.shape import Job, forwards_per_step
 
 
-def describe(lay: Layout) -> str:
+def describe(lay: ParallelDims) -> str:
     pipe = f"pp {lay.pp} {lay.pp_schedule} x {lay.pp_microbatches} micro-batches, " if lay.pp > 1 else ""
     cp = f"cp {lay.cp}, " if lay.cp > 1 else ""
     return (f"tp {lay.tp}, {cp}{pipe}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}, "
@@ -57,7 +58,7 @@ def format_breakdown(e, gpu, title: str = "Best") -> str:
 def to_toml(e, job: Job, name: str, command: str) -> str:
     """The layout as a config for train.py (same shape as configs/llama70b_2d.toml)."""
     lay, m = e.layout, job.model
-    local = lay.local_batch(job) if lay.pp > 1 else lay.micro_batch
+    local = lay.local_batch
     pipe = [f'pp_schedule = "{lay.pp_schedule}"', f"pp_microbatches = {lay.pp_microbatches if lay.pp > 1 else 0}"]
     if lay.pp > 1 and lay.stages_per_rank > 1:
         pipe.append(f"pp_stages_per_rank = {lay.stages_per_rank}")
@@ -79,7 +80,7 @@ def to_toml(e, job: Job, name: str, command: str) -> str:
         "[model]", f'name = "{m.family}"', f'flavor = "{m.flavor}"', f"vocab_size = {m.vocab}", "",
         "[training]", f"global_batch_size = {job.global_batch}",
         f"local_batch_size = {local}" + ("" if lay.pp > 1 else
-                                          f"      # {lay.micro_batches(job)} accumulation step(s)"),
+                                          f"      # {forwards_per_step(job, lay)} accumulation step(s)"),
         f"seq_len = {job.seq_len}", 'mixed_precision_param = "bfloat16"',
         'mixed_precision_reduce = "float32"', "",
         "[parallelism]", f"dp_replicate = {lay.dp_replicate}", f"dp_shard = {lay.dp_shard}",

@@ -13,12 +13,13 @@ from collections import Counter
 
 from meshtrain.parallel.context_parallel import check_cp_fits
 from meshtrain.parallel.fsdp import check_strategy
-from meshtrain.parallel.mesh import LayoutError, ParallelDims, check_tp_fits
+from meshtrain.parallel.layout import ParallelDims
+from meshtrain.parallel.mesh import LayoutError, check_tp_fits
 from meshtrain.parallel.vocabulary import AC_MODES, STRATEGIES, default_stages_per_rank
 from meshtrain.physics.gpus import usable_bytes
 from meshtrain.planning.estimate import Estimate, estimate
 from meshtrain.planning.memory import memory_per_gpu
-from meshtrain.planning.shape import PLANNED_SCHEDULES, Job, Layout
+from meshtrain.planning.shape import PLANNED_SCHEDULES, Job
 
 # Context parallelism is tried from this sequence length on: below it a sequence's
 # activations fit beside the model states on one GPU, and cp only adds all-to-alls.
@@ -29,19 +30,17 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_layout(job: Job, lay: Layout) -> None:
+def check_layout(job: Job, lay: ParallelDims) -> None:
     """The rules train.py applies before starting, from the same functions; LayoutError if
-    broken. (The pipeline rules run inside shares.rank_shares, via check_pipeline.)"""
-    ParallelDims(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, pp=lay.pp, cp=lay.cp,
-                 world_size=job.world)
+    broken. (The degrees were checked when the layout was made; the pipeline rules run
+    inside shares.rank_shares, via check_pipeline.)"""
     check_tp_fits(lay.tp, job.model.tp_divisible, seq_len=job.seq_len, gpus_per_node=job.gpus_per_node)
     problems = check_cp_fits(lay.cp, lay.tp, heads=job.model.n_heads, seq_len=job.seq_len, sequence_parallel=True)
     if problems:
         raise LayoutError("cp does not fit the model: " + "; ".join(problems))
     if job.global_batch % lay.dp:
         raise LayoutError(f"global batch {job.global_batch} is not divisible by dp = {lay.dp}")
-    check_strategy(lay.strategy, {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-                                  "cp": lay.cp, "tp": lay.tp})
+    check_strategy(lay.strategy, lay.degrees)
     if lay.fsdp_shard == 1:
         raise LayoutError("no data-parallel sharding: model states would be held whole on every GPU")
 
@@ -66,11 +65,12 @@ def candidates(job: Job):
                     for schedule, v in schedules:
                         for strategy in strategies:
                             for ac in AC_MODES:
-                                yield Layout(tp=tp, pp=pp, dp_replicate=dp_replicate,
-                                             dp_shard=dp // dp_replicate, strategy=strategy, ac=ac,
-                                             micro_batch=micro_batch, pp_schedule=schedule,
-                                             pp_microbatches=local // micro_batch if pp > 1 else 1,
-                                             stages_per_rank=v, cp=cp)
+                                yield ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate,
+                                                   dp_shard=dp // dp_replicate, cp=cp, world_size=job.world,
+                                                   strategy=strategy, ac=ac, micro_batch=micro_batch,
+                                                   pp_schedule=schedule,
+                                                   pp_microbatches=local // micro_batch if pp > 1 else 1,
+                                                   stages_per_rank=v)
 
 
 def plan(job: Job) -> tuple[list[Estimate], Estimate | None, Counter]:

@@ -1,5 +1,7 @@
 """What the planner plans for: a model's sizes, the cluster and the batch (a `Job`), and
-one parallel layout of it (a `Layout`).
+which of parallel's pipeline schedules it models. A layout of a job is the trainer's own
+type, `ParallelDims` (parallel/layout.py): the search's candidates are the layouts
+train.py runs, and a config's layout is estimated as train.py resolved it.
 
 Conventions of the models above this file (memory.py, step_time.py): bytes; "local" = one
 GPU's slice before FSDP shards it (after TP); s = sequence length, b = sequences per
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshtrain.models import registry
+from meshtrain.parallel.layout import ParallelDims
 from meshtrain.physics.gpus import GPU
 
 # The pipeline schedules the planner searches and estimates, of all parallel's
@@ -99,33 +102,11 @@ class Job:
         return self.nodes * self.gpus_per_node
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    strategy: str               # one of parallel.vocabulary.STRATEGIES that shards (not NO_SHARD)
-    ac: str                     # one of parallel.vocabulary.AC_MODES (selective: every 2nd block)
-    micro_batch: int            # sequences per forward (per pipeline micro-batch under pp)
-    pp_schedule: str = "1F1B"   # only meaningful with pp > 1
-    pp_microbatches: int = 1    # m: micro-batches per step through the pipeline
-    stages_per_rank: int = 1    # v
-    cp: int = 1                 # context parallel: each rank holds seq / cp tokens of a sequence
+def rank_batch(job: Job, lay: ParallelDims) -> int:
+    """Sequences per data-parallel rank per step."""
+    return job.global_batch // lay.dp
 
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
 
-    @property
-    def fsdp_shard(self) -> int:
-        """Ranks FSDP shards over: dp_shard x cp (cp ranks hold the same weights)."""
-        return self.dp_shard * self.cp
-
-    def local_batch(self, job: Job) -> int:
-        """Sequences per data-parallel rank per step."""
-        return job.global_batch // self.dp
-
-    def micro_batches(self, job: Job) -> int:
-        """Forwards each GPU runs per step: accumulation steps, or the pipeline's m."""
-        return self.pp_microbatches if self.pp > 1 else self.local_batch(job) // self.micro_batch
+def forwards_per_step(job: Job, lay: ParallelDims) -> int:
+    """Forwards each GPU runs per step: accumulation steps, or the pipeline's m."""
+    return lay.pp_microbatches if lay.pp > 1 else lay.grad_accum(job.global_batch)

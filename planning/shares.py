@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.pipeline import check_pipeline, stage_ids
-from meshtrain.parallel.vocabulary import WHOLE_BACKWARD, placement
+from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning.schedule import in_flight_at_peak, rank_actions
-from meshtrain.planning.shape import Job, Layout
+from meshtrain.planning.shape import Job, rank_batch
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class RankShare:
         return sum(self.stage_layers)
 
 
-def rank_shares(job: Job, lay: Layout) -> list[RankShare]:
+def rank_shares(job: Job, lay: ParallelDims) -> list[RankShare]:
     """Per pipeline rank: its layers and how many micro-batches of activations it holds at
     its peak. Stages come from parallel.pipeline (the same split and placement train.py
     uses), so an invalid pipeline raises the same LayoutError."""
@@ -39,8 +40,8 @@ def rank_shares(job: Job, lay: Layout) -> list[RankShare]:
     if pp == 1:
         return [RankShare((L,), True, True, inflight=L, head_inflight=1)]
     stages = check_pipeline(pp=pp, n_layers=L, schedule=lay.pp_schedule, stages_per_rank=v,
-                            n_microbatches=m, local_batch=lay.local_batch(job))
-    style = placement(lay.pp_schedule)
+                            n_microbatches=m, local_batch=rank_batch(job, lay))
+    style = lay.placement
     shares = []
     for r in range(pp):
         ids = stage_ids(r, pp, len(stages), style)

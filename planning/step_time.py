@@ -11,15 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshtrain.parallel.context_parallel import kv_repeats
+from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import STRATEGIES, WHOLE_BACKWARD
 from meshtrain.planning.kernels import block_seconds, head_seconds
 from meshtrain.planning.memory import BF16, FP32, largest_unit, rank_local_params
 from meshtrain.planning.schedule import makespan
-from meshtrain.planning.shape import Job, Layout, ModelShape
+from meshtrain.planning.shape import Job, ModelShape, forwards_per_step
 from meshtrain.planning.shares import checkpointed_blocks, rank_shares
 
 
-def fsdp_rounds(lay: Layout, job: Job) -> tuple[int, int]:
+def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) of each FSDP unit per step.
     No pipeline: every micro-batch gathers in forward (and again in backward with
     FULL_SHARD) and reduce-scatters its gradients (train_step keeps gradient sync on).
@@ -27,7 +28,7 @@ def fsdp_rounds(lay: Layout, job: Job) -> tuple[int, int]:
     forward, m + 1 times (the 3 + 2n measured in docs/pipeline.md for 2 resharding units
     and 1 that is not); one reduce-scatter per step either way."""
     zero2 = STRATEGIES[lay.strategy] == 2
-    n = lay.micro_batches(job)
+    n = forwards_per_step(job, lay)
     if lay.pp > 1:
         return (1 if zero2 else n + 1), 1
     return (n if zero2 else 2 * n), n
@@ -48,12 +49,12 @@ class StepTime:
     compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
 
 
-def step_time(job: Job, lay: Layout) -> StepTime:
+def step_time(job: Job, lay: ParallelDims) -> StepTime:
     """One step of ``lay``: compute on the slowest pipeline rank, the TP, PP and CP traffic
     on its critical path, the pipeline bubble, the FSDP traffic compute does not hide, and
     the optimizer."""
     m, gpu, s, b, t, cp = job.model, job.gpu, job.seq_len, lay.micro_batch, lay.tp, lay.cp
-    g, n_mb = job.gpus_per_node, lay.micro_batches(job)
+    g, n_mb = job.gpus_per_node, forwards_per_step(job, lay)
     shares = rank_shares(job, lay)
     act = BF16 * s // cp * b * m.dim         # one micro-batch's hidden states, this rank's tokens
     # The mesh is pp x dp_replicate x dp_shard x cp x tp: cp groups stride tp, FSDP's

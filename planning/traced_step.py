@@ -29,7 +29,7 @@ def build_rank(cfg, world_size: int, gpus_per_node: int):
     cfg.job.device = "cpu"  # fake tensors live on the CPU; the layout checks are the same
     model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
-    mesh = layout.dims.build_mesh("cpu")
+    mesh = layout.build_mesh("cpu")
     parts = recipe.build_parts(cfg, layout, mesh, model).parts
     for param in (q for _, m in parts for q in m.parameters()):
         if isinstance(param, DTensor):
@@ -57,13 +57,13 @@ def in_flight(n_micro: int, stage: int, n_stages: int) -> int:
 
 def rank_seq(cfg, layout) -> int:
     """Tokens of each sequence this rank holds: its piece under context parallelism."""
-    return cfg.training.seq_len // layout.dims.cp
+    return cfg.training.seq_len // layout.cp
 
 
 def activation_seq(cfg, layout) -> int:
     """Sequence length of the activations between blocks: this rank's piece of the
     sequence (`rank_seq`), divided by tp under sequence parallel."""
-    tp, seq = layout.dims.tp, rank_seq(cfg, layout)
+    tp, seq = layout.tp, rank_seq(cfg, layout)
     return seq // tp if (tp > 1 and cfg.parallelism.sequence_parallel) else seq
 
 
@@ -75,8 +75,8 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
     schedule, up to its last new state) are the forwards and backwards run. ``comm.phase`` names the
     part of the step running, for reports. Returns what was traced, in words."""
     t = cfg.training
-    local, accum = layout.local_batch, layout.grad_accum
-    loss_parallel = layout.dims.tp > 1 and cfg.parallelism.loss_parallel
+    local, accum = layout.local_batch, layout.grad_accum(t.global_batch_size)
+    loss_parallel = layout.tp > 1 and cfg.parallelism.loss_parallel
 
     if layout.stage_layers is None:
         comm.scale = lambda dim, kind: accum
@@ -112,9 +112,9 @@ def pipeline_actions(layout, stage_ids: list[int]) -> list:
     peak may come late (a replay cut right after every stage's first backward missed 7 of
     45 GiB on Llama 3 8B, pp 2 interleaved). For a schedule without an F/B model, each
     stage's in-flight forwards then their backwards, one stage after another."""
-    pp, n_micro = layout.dims.pp, layout.n_microbatches
-    if layout.schedule in WHOLE_BACKWARD and layout.placement == "loop":
-        actions = rank_actions(layout.schedule, pp, layout.stages_per_rank, n_micro)[stage_ids[0] % pp]
+    pp, n_micro = layout.pp, layout.pp_microbatches
+    if layout.pp_schedule in WHOLE_BACKWARD and layout.placement == "loop":
+        actions = rank_actions(layout.pp_schedule, pp, layout.stages_per_rank, n_micro)[stage_ids[0] % pp]
         return replay_prefix(actions)
     n_stages, out = len(layout.stage_layers), []
     for s in stage_ids:
@@ -127,8 +127,9 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     """Replay this rank's forwards and backwards (see `pipeline_actions`). As torch's
     PipelineStage does, FSDP neither reshards nor reduces after a backward until the
     stage's last one, so every local stage's unsharded gradients accumulate meanwhile."""
-    t, n_micro, accum = cfg.training, layout.n_microbatches, layout.grad_accum
-    n_stages, mb, seq = len(layout.stage_layers), layout.local_batch // layout.n_microbatches, activation_seq(cfg, layout)
+    t, n_micro = cfg.training, layout.pp_microbatches
+    accum = layout.grad_accum(t.global_batch_size)
+    n_stages, mb, seq = len(layout.stage_layers), layout.micro_batch, activation_seq(cfg, layout)
     dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
     by_stage = dict(parts)
     actions = actions or pipeline_actions(layout, list(by_stage))
@@ -177,4 +178,4 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     for s, part in parts:
         _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=part), 1)
     held = ", ".join(f"stage {s}: {forwards[s]}" for s in by_stage)
-    return f"{layout.schedule} order of this rank up to its last new state, drained; forwards traced ({held}) of {n_micro} micro-batches"
+    return f"{layout.pp_schedule} order of this rank up to its last new state, drained; forwards traced ({held}) of {n_micro} micro-batches"

@@ -21,7 +21,8 @@ import pytest
 from meshtrain.planning.estimate import estimate
 from meshtrain.physics.gpus import GIB, get_gpu
 from meshtrain.planning.plan import resolve_model
-from meshtrain.planning.shape import Job, Layout
+from meshtrain.parallel import ParallelDims
+from meshtrain.planning.shape import Job
 from meshtrain.planning.verify import trace
 
 H100 = get_gpu("h100-80gb")
@@ -59,7 +60,7 @@ def _id(point) -> str:
 def test_estimate_within_10_percent_of_the_traced_peak(point):
     model, nodes, seq, batch, lay = point
     j = job(model, nodes, seq, batch)
-    e = estimate(j, Layout(**{"strategy": "FULL_SHARD", "dp_replicate": 1, **lay}))
+    e = estimate(j, ParallelDims(**{"strategy": "FULL_SHARD", "dp_replicate": 1, "world_size": j.world, **lay}))
     traced = trace(e, j)["memory"]["total"]
     assert traced == pytest.approx(e.memory.total, rel=0.10), \
         f"estimated {e.memory.total / GIB:.1f} GiB, traced {traced / GIB:.1f} GiB ({traced / e.memory.total - 1:+.0%})"
