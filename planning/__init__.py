@@ -17,8 +17,8 @@ Each file has one concern; imports go one way, from the bottom of this list to t
     activations.py  activation bytes, traced on a two-block copy of the model
     memory.py       peak memory per GPU
     step_time.py    step time: compute, exposed traffic, the bubble, the optimizer
-    estimate.py     memory + time = one layout's estimate; a train.py config's estimate
     report.py       estimates as text, and a layout as a train.py config
+    estimate.py     memory + time = one layout's estimate; a train.py config's estimate
     traced_step.py  one rank's training step on fake tensors, as train.py builds it
     dry_run.py      the dry run's report, beside the estimate
     collective_check.py   the hang check over representative ranks

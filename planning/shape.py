@@ -26,8 +26,8 @@ PLANNED_SCHEDULES = ("1F1B", "Interleaved1F1B")
 @dataclass(frozen=True)
 class ModelShape:
     """Sizes of a model flavor, counted on a one-layer meta copy of the family's model
-    (models/registry.py). The activation terms below are written for a Llama-shaped block
-    (attention + gated FFN); for other families they are an approximation."""
+    (models/registry.py). The closed-form activation terms of memory.py are written for a
+    Llama-shaped block (attention + gated FFN); for other families they are an approximation."""
     flavor: str
     n_layers: int
     dim: int
