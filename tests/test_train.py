@@ -169,7 +169,7 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
 def test_a_bug_in_meshtrain_shows_its_traceback_and_is_not_called_bad_input(tmp_path):
     """Only meshtrain's own error types mean bad input (exit 2, one line). A ValueError from
     inside the code -- here planted in the loss -- is a bug: traceback, exit 1."""
-    code = ("import sys, train, training.step as s\n"
+    code = ("import sys\nfrom meshtrain import train\nimport meshtrain.training.step as s\n"
             "def broken(*a, **k):\n    raise ValueError('planted bug')\n"
             "s.cross_entropy = broken\n"
             "sys.exit(train.run(sys.argv[1:]))")
