@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from meshtrain.parallel.mesh import (FLATTENED, LayoutError, check_tp_fits, default_device_type, init_distributed,
-                                     launched_world_size, submesh)
+from meshtrain.parallel.mesh import LayoutError, build_device_mesh, check_tp_fits, launched_world_size
 from meshtrain.parallel.vocabulary import DIM_NAMES, placement
 
 
@@ -119,23 +117,6 @@ class ParallelDims:
                       gpus_per_node=gpus_per_node)
 
     def build_mesh(self, device_type: str | None = None, timeout_seconds: float | None = None) -> DeviceMesh:
-        """Initialize the process group if needed and build the mesh.
-
-        Only dimensions of degree > 1 become mesh dimensions: a degree-1 dimension
-        would still create one process group per rank for nothing. `submesh` answers
-        for absent ones. When both dp dimensions exist, their flattened product is
-        flattened into "dp" (the mesh data loading shards over); get it with submesh(mesh, "dp").
-        """
-        device_type = device_type or default_device_type()
-        init_distributed(device_type, timeout_seconds)
-        if dist.get_world_size() != self.world_size:
-            raise LayoutError(
-                f"ParallelDims was sized for world size {self.world_size}, "
-                f"but the process group has {dist.get_world_size()} ranks"
-            )
-        names = tuple(n for n in DIM_NAMES if getattr(self, n) > 1) or ("dp_shard",)
-        shape = tuple(getattr(self, n) for n in names)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        for name in FLATTENED:  # made now, on every rank together (each is a new process group)
-            submesh(mesh, name)
-        return mesh
+        """Initialize the process group if needed and build the mesh of these degrees
+        (parallel/mesh.py, `build_device_mesh`: degree-1 dimensions are left out)."""
+        return build_device_mesh(self.degrees, self.world_size, device_type, timeout_seconds)

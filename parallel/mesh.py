@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtrain.parallel.vocabulary import DIM_NAMES
 
@@ -41,6 +41,31 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 
 class LayoutError(ValueError):
     """A parallel layout that cannot run: the message lists every problem found."""
+
+
+def build_device_mesh(degrees: dict[str, int], world_size: int, device_type: str | None = None,
+                      timeout_seconds: float | None = None) -> DeviceMesh:
+    """Initialize the process group if needed and build the mesh of ``degrees`` (a
+    ParallelDims' own: `ParallelDims.build_mesh` is the way in).
+
+    Only dimensions of degree > 1 become mesh dimensions: a degree-1 dimension
+    would still create one process group per rank for nothing. `submesh` answers
+    for absent ones. When both dp dimensions exist, their flattened product is
+    flattened into "dp" (the mesh data loading shards over); get it with submesh(mesh, "dp").
+    """
+    device_type = device_type or default_device_type()
+    init_distributed(device_type, timeout_seconds)
+    if dist.get_world_size() != world_size:
+        raise LayoutError(
+            f"ParallelDims was sized for world size {world_size}, "
+            f"but the process group has {dist.get_world_size()} ranks"
+        )
+    names = tuple(n for n in DIM_NAMES if degrees[n] > 1) or ("dp_shard",)
+    shape = tuple(degrees[n] for n in names)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    for name in FLATTENED:  # made now, on every rank together (each is a new process group)
+        submesh(mesh, name)
+    return mesh
 
 
 def check_tp_fits(tp: int, divisible: dict[str, int], *, seq_len: int | None = None,
