@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = build_tokenizer(t.tokenizer)
     model = recipe.build_model(cfg, tokenizer.vocab_size)    # the whole model, on meta
     layout = recipe.plan_layout(cfg, model)                  # every check, before any process group
-    mesh = layout.dims.build_mesh(recipe.device_type(cfg), timeout_seconds=cfg.comm.init_timeout_seconds)
+    mesh = layout.build_mesh(recipe.device_type(cfg), timeout_seconds=cfg.comm.init_timeout_seconds)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     run_dir = Path(cfg.job.output_dir) / cfg.job.name
     recipe.claim_run_dir(run_dir)                            # one run per folder
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                             enable_tensorboard=cfg.metrics.enable_tensorboard, config_text=config_to_toml(cfg),
                             purge_step=start_step + 1 if start_step else None)
     peak, tokens_per_step = device_peak_flops(device), t.global_batch_size * t.seq_len
-    announce(n_params, layout, mesh, start_step, run_dir)
+    announce(n_params, layout, layout.grad_accum(t.global_batch_size), mesh, start_step, run_dir)
 
     stop, skipped, stopping, began = GracefulStop(), 0, None, time.perf_counter()
     try:

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from bench import throughput
 from meshtrain.parallel.mesh import shutdown_distributed
-from meshtrain.planning.hardware import GIB
+from meshtrain.physics.gpus import GIB
 from meshtrain.training.metrics import device_peak_flops, flops_per_token
 
 # name -> (activation checkpointing, compile, float8)

@@ -4,14 +4,14 @@
     python -m bench.kernel_speeds --device cpu --quick                          # smoke run
 
 - matmul: bf16 TFLOP/s of the shapes a Llama 3 8B / 70B block runs under TP 1-8 (tokens x
-  in x out), and of the 8192^3 matmul planning/hardware.py's `matmul_efficiency` is from;
+  in x out), and of the 8192^3 matmul physics/gpus.py's `matmul_efficiency` is from;
 - attention: SDPA (flash backend on a GPU) forward + backward, causal, head dim 128, batch
   x sequence = 16K tokens as in the FlashAttention papers, TFLOP/s counted their way
   (4·s²·d per head forward, halved by the mask; backward 2.5x): `attention_efficiency`;
 - memory: GB/s of a device-to-device copy (`hbm_bandwidth`) and of an eager and a
   compiled RMSNorm forward + backward, in the bytes planning/kernels.py counts for it.
 
-Prints one row per measurement and the fractions of the GPU's peak (planning/hardware.py)
+Prints one row per measurement and the fractions of the GPU's peak (physics/gpus.py)
 to put in its table, and writes them as JSON. Each is the median of timed repeats after
 warm-up, synchronised with the device.
 """
@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
               "matmul": matmuls(device, dtype, args.quick, args.repeats),
               "attention": attention(device, dtype, args.quick, args.repeats),
               "memory": memory(device, dtype, args.quick, args.repeats)}
-    from meshtrain.planning.hardware import gpu_of_device
+    from meshtrain.physics.gpus import gpu_of_device
 
     gpu = gpu_of_device(name)
     for row in result["matmul"]:
@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
         result["fractions"] = {"matmul_efficiency": result["matmul"][0]["tflops"] / peak,
                                "attention_efficiency": statistics.median(r["tflops"] for r in result["attention"]) / peak,
                                "hbm_bandwidth": result["memory"]["copy_gbs"] * 1e9}
-        print(f"for planning/hardware.py ({gpu.name}): {result['fractions']}")
+        print(f"for physics/gpus.py ({gpu.name}): {result['fractions']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return result

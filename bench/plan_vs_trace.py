@@ -17,9 +17,14 @@ import time
 
 
 from meshtrain.parallel.mesh import LayoutError
-from meshtrain.planning.cost import Job, estimate
-from meshtrain.planning.hardware import GIB, get_gpu, usable_bytes
-from meshtrain.planning.plan import AC_MODES, candidates, check_layout, describe, resolve_model, trace
+from meshtrain.planning.estimate import estimate
+from meshtrain.physics.gpus import GIB, get_gpu, usable_bytes
+from meshtrain.planning.plan import resolve_model
+from meshtrain.planning.report import describe
+from meshtrain.parallel.vocabulary import AC_MODES
+from meshtrain.planning.search import candidates, check_layout
+from meshtrain.planning.shape import Job
+from meshtrain.planning.verify import trace
 
 
 def main() -> None:

@@ -3,9 +3,9 @@
     python bench/step_time_validation.py [--markdown]
 
 Each row is a run whose settings its source states (docs/planning.md, "Validation", names
-the sources and what they leave unstated), estimated with planning.cost.estimate exactly
+the sources and what they leave unstated), estimated with planning.estimate.estimate exactly
 as the search would, and printed beside the measured tokens/s per GPU with the error.
-The estimate is not fitted to these rows: the kernel speeds come from planning/hardware.py
+The estimate is not fitted to these rows: the kernel speeds come from physics/gpus.py
 (a measured matmul and copy bandwidth, the published flash-attention efficiency).
 """
 
@@ -19,8 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from meshtrain.planning.cost import Job, Layout, ModelShape, estimate
-from meshtrain.planning.hardware import get_gpu
+from meshtrain.planning.estimate import estimate
+from meshtrain.parallel import ParallelDims
+from meshtrain.planning.shape import Job, ModelShape
+from meshtrain.physics.gpus import get_gpu
 
 H100 = get_gpu("h100-80gb")
 RUN5 = ROOT / "bench/results/2026-11-22_h100_run5.json"
@@ -52,7 +54,8 @@ def ours() -> list[dict]:
         if run["float8"]:
             continue
         job = Job(llama("8B", result["shape"]["layers"]), gpu, 1, 1, 8192, 1, compiled=run["compile"])
-        lay = Layout(tp=1, pp=1, dp_replicate=1, dp_shard=1, strategy="FULL_SHARD", ac=run["ac"], micro_batch=1)
+        lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=1, world_size=1, strategy="FULL_SHARD", ac=run["ac"],
+                           micro_batch=1)
         rows.append(dict(source="meshtrain, bench/results run5", run=f"8B-shape, 10 layers, 1 GPU, {run['name']}",
                          job=job, layout=lay, measured=run["tokens_per_second"]))
     return rows
@@ -66,7 +69,7 @@ def torchtitan() -> list[dict]:
 
     def add(run, model, nodes, seq, batch, compiled, measured, **lay):
         job = Job(model, H100, nodes, 8, seq, batch, compiled=compiled)
-        rows.append(dict(source="torchtitan", run=run, job=job, layout=Layout(dp_replicate=1, pp=1, **lay),
+        rows.append(dict(source="torchtitan", run=run, job=job, layout=ParallelDims(dp_replicate=1, pp=1, world_size=job.world, **lay),
                          measured=measured))
 
     fsdp8 = dict(tp=1, dp_shard=8, strategy="FULL_SHARD", ac="op", micro_batch=2)
@@ -107,8 +110,8 @@ def megatron() -> list[dict]:
         # Micro-batch size is not stated. Megatron reduces gradients once per step (after
         # all micro-batches), which the planner's pp = 1 layouts do only when the local
         # batch is one micro-batch; under a pipeline, micro-batches of one sequence.
-        lay = Layout(tp=tp, dp_replicate=1, dp_shard=dp, strategy="SHARD_GRAD_OP", ac="none",
-                     micro_batch=1 if pp > 1 else local, **pipe)
+        lay = ParallelDims(tp=tp, dp_replicate=1, dp_shard=dp, world_size=job.world, strategy="SHARD_GRAD_OP",
+                           ac="none", micro_batch=1 if pp > 1 else local, **pipe)
         flops = megatron_flops_per_token(m, 4096)
         rows.append(dict(source="Megatron-LM", run=f"GPT {size}, TP {tp} x PP {pp} x DP {dp}, batch {batch}",
                          job=job, layout=lay, measured=tflops * 1e12 / flops))

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from meshtrain.models.llama import Llama
 from meshtrain.parallel import AC_MODES, mixed_precision_policy, parallelize, shutdown_distributed, submesh
 from meshtrain.parallel.float8 import apply_float8
-from meshtrain.planning.hardware import GIB
+from meshtrain.physics.gpus import GIB
 from meshtrain.training.config import DTYPES
 from meshtrain.training.metrics import (TrackedActivations, device_peak_flops, flops_per_token, memory_stats,
                               reset_peak_rss)

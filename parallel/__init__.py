@@ -10,34 +10,55 @@ tied between the first and last stage (parallel/tied.py).
 
 Knows no model: a model brings its TP plan (`tp_plan()`) and FSDP units (`fsdp_units()`),
 or the caller passes them.
+
+The names below are imported on first use, not with the package: the config reads
+parallel/vocabulary.py before torch is imported, and importing a submodule runs this file.
 """
 
-from meshtrain.parallel.activation_checkpoint import AC_MODES, apply_ac, apply_compile
-from meshtrain.parallel.fsdp import STRATEGIES, apply_fsdp, fsdp_mesh, mixed_precision_policy, resolve_strategy
-from meshtrain.parallel.grad_clip import clip_grad_norm_
-from meshtrain.parallel.init import init_param_, materialize
-from meshtrain.parallel.mesh import (
-    DIM_NAMES,
-    LayoutError,
-    ParallelDims,
-    check_tp_fits,
-    default_device_type,
-    init_distributed,
-    mesh_coordinate,
-    shutdown_distributed,
-    submesh,
-)
-from meshtrain.parallel.parallelize import parallelize
-from meshtrain.parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, split_into_stages, split_layers, stage_ids
-from meshtrain.parallel.tensor_parallel import apply_tp, loss_parallel_context
-from meshtrain.parallel.tied import TiedWeights, tie_across_stages
-from meshtrain.parallel.wrap import modules_to_wrap
+import importlib
+import sys
+import types
 
-__all__ = [
-    "AC_MODES", "apply_ac", "apply_compile", "DIM_NAMES", "STRATEGIES", "LayoutError", "ParallelDims", "apply_fsdp", "apply_tp",
-    "check_tp_fits", "clip_grad_norm_", "default_device_type", "fsdp_mesh", "init_distributed",
-    "init_param_", "loss_parallel_context", "materialize", "mesh_coordinate",
-    "mixed_precision_policy", "modules_to_wrap", "parallelize", "shutdown_distributed", "submesh",
-    "SCHEDULES", "build_schedule", "check_pipeline", "resolve_strategy", "split_into_stages", "split_layers",
-    "stage_ids", "TiedWeights", "tie_across_stages",
-]
+# submodule -> the names it gives the package
+_EXPORTS = {
+    "activation_checkpoint": ("apply_ac", "apply_compile"),
+    "fsdp": ("apply_fsdp", "fsdp_mesh", "mixed_precision_policy", "resolve_strategy"),
+    "grad_clip": ("clip_grad_norm_",),
+    "init": ("init_param_", "materialize"),
+    "layout": ("ParallelDims",),
+    "mesh": ("LayoutError", "check_tp_fits", "default_device_type", "init_distributed", "mesh_coordinate",
+             "shutdown_distributed", "submesh"),
+    "parallelize": ("parallelize",),
+    "pipeline": ("build_schedule", "check_pipeline", "split_into_stages", "split_layers", "stage_ids"),
+    "tensor_parallel": ("apply_tp", "loss_parallel_context"),
+    "tied": ("TiedWeights", "tie_across_stages"),
+    "vocabulary": ("AC_MODES", "DIM_NAMES", "SCHEDULES", "STRATEGIES"),
+    "wrap": ("modules_to_wrap",),
+}
+_SUBMODULE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_SUBMODULE)
+
+
+def __getattr__(name: str):
+    if name not in _SUBMODULE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_SUBMODULE[name]}"), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SUBMODULE))
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets the package's attribute of that name to the module; for
+    parallelize.py that would hide the function the package hands out under the same name."""
+
+    def __setattr__(self, name, value):
+        if name in _SUBMODULE and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective", "op")
+from meshtrain.parallel.vocabulary import AC_MODES
 
 
 def _ops(*names: str) -> frozenset:

@@ -24,15 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from meshtrain.parallel.mesh import LayoutError, submesh
+from meshtrain.parallel.vocabulary import STRATEGIES
 
 # FSDP2 warns whenever a unit returns a view (a TP-sharded embedding does) because an
 # in-place op on it would skip a backward hook. Our models only combine activations
 # out of place (h = x + f(x)), so the warning is noise on every step.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-_RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False,
-                          "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -129,7 +127,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, units: list, *, strategy: 
                mp_policy: MixedPrecisionPolicy | None = None, cpu_offload: bool = False) -> nn.Module:
     """`fully_shard` each unit (a module, or a list of modules gathered together) bottom-up,
     then the root, which holds whatever no unit claimed."""
-    reshard = _RESHARD_AFTER_FORWARD[strategy]
+    reshard = STRATEGIES[strategy] == 3  # ZeRO-3: free the gathered parameters after forward
     kwargs = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
                   if cpu_offload else OffloadPolicy())

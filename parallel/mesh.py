@@ -1,4 +1,5 @@
-"""One DeviceMesh for every parallelism: pp x dp_replicate x dp_shard x cp x tp.
+"""One DeviceMesh for every parallelism: pp x dp_replicate x dp_shard x cp x tp, and the
+process group under it. (`ParallelDims`, parallel/layout.py, holds the degrees and builds it.)
 
 The order matters. Ranks are numbered so that the *last* mesh dimension varies
 fastest, so with tp last, a TP group is `tp` consecutive ranks. torchrun numbers
@@ -24,14 +25,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+from meshtrain.parallel.vocabulary import DIM_NAMES
+
 # Sub-meshes made of several dimensions: "dp" (the batch is split over it), "dp_shard_cp"
 # (FSDP shards over it), "dp_cp" (every rank holding the same weights under NO_SHARD).
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
@@ -42,85 +43,29 @@ class LayoutError(ValueError):
     """A parallel layout that cannot run: the message lists every problem found."""
 
 
-@dataclass
-class ParallelDims:
-    """Degrees of each parallelism. ``dp_shard=-1`` takes whatever the others leave."""
+def build_device_mesh(degrees: dict[str, int], world_size: int, device_type: str | None = None,
+                      timeout_seconds: float | None = None) -> DeviceMesh:
+    """Initialize the process group if needed and build the mesh of ``degrees`` (a
+    ParallelDims' own: `ParallelDims.build_mesh` is the way in).
 
-    dp_shard: int = -1
-    dp_replicate: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    world_size: int | None = None  # default: the launched world (WORLD_SIZE)
-
-    def __post_init__(self):
-        if self.world_size is None:
-            self.world_size = _launched_world_size()
-        problems = []
-        for name in DIM_NAMES:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                problems.append(f"{name}={value!r} must be an integer")
-            elif value < 1 and not (name == "dp_shard" and value == -1):
-                accepted = ">= 1, or -1 to infer" if name == "dp_shard" else ">= 1"
-                problems.append(f"{name}={value} must be {accepted}")
-        if problems:
-            raise LayoutError("invalid parallel degrees: " + "; ".join(problems))
-
-        others = self.pp * self.dp_replicate * self.cp * self.tp
-        cp = f"*{self.cp}" if self.cp > 1 else ""
-        cp_name = "*cp" if self.cp > 1 else ""
-        if self.dp_shard == -1:
-            if self.world_size % others:
-                raise LayoutError(
-                    f"cannot infer dp_shard: world size {self.world_size} is not divisible by "
-                    f"pp*dp_replicate{cp_name}*tp = {self.pp}*{self.dp_replicate}{cp}*{self.tp} = {others}"
-                )
-            self.dp_shard = self.world_size // others
-        product = others * self.dp_shard
-        if product != self.world_size:
-            raise LayoutError(
-                f"parallel degrees do not multiply to the world size: pp*dp_replicate*dp_shard{cp_name}*tp = "
-                f"{self.pp}*{self.dp_replicate}*{self.dp_shard}{cp}*{self.tp} = {product}, "
-                f"but the world size is {self.world_size}"
-            )
-
-    @property
-    def degrees(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in DIM_NAMES}
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many different batches one step sees."""
-        return self.dp_replicate * self.dp_shard
-
-    def check_model(self, divisible: dict[str, int], *, seq_len: int | None = None,
-                    sequence_parallel: bool = True, gpus_per_node: int | None = None) -> None:
-        """Check this layout against a model (see `check_tp_fits`)."""
-        check_tp_fits(self.tp, divisible, seq_len=seq_len, sequence_parallel=sequence_parallel,
-                      gpus_per_node=gpus_per_node)
-
-    def build_mesh(self, device_type: str | None = None, timeout_seconds: float | None = None) -> DeviceMesh:
-        """Initialize the process group if needed and build the mesh.
-
-        Only dimensions of degree > 1 become mesh dimensions: a degree-1 dimension
-        would still create one process group per rank for nothing. `submesh` answers
-        for absent ones. When both dp dimensions exist, their flattened product is
-        flattened into "dp" (the mesh data loading shards over); get it with submesh(mesh, "dp").
-        """
-        device_type = device_type or default_device_type()
-        init_distributed(device_type, timeout_seconds)
-        if dist.get_world_size() != self.world_size:
-            raise LayoutError(
-                f"ParallelDims was sized for world size {self.world_size}, "
-                f"but the process group has {dist.get_world_size()} ranks"
-            )
-        names = tuple(n for n in DIM_NAMES if getattr(self, n) > 1) or ("dp_shard",)
-        shape = tuple(getattr(self, n) for n in names)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        for name in FLATTENED:  # made now, on every rank together (each is a new process group)
-            submesh(mesh, name)
-        return mesh
+    Only dimensions of degree > 1 become mesh dimensions: a degree-1 dimension
+    would still create one process group per rank for nothing. `submesh` answers
+    for absent ones. When both dp dimensions exist, their flattened product is
+    flattened into "dp" (the mesh data loading shards over); get it with submesh(mesh, "dp").
+    """
+    device_type = device_type or default_device_type()
+    init_distributed(device_type, timeout_seconds)
+    if dist.get_world_size() != world_size:
+        raise LayoutError(
+            f"ParallelDims was sized for world size {world_size}, "
+            f"but the process group has {dist.get_world_size()} ranks"
+        )
+    names = tuple(n for n in DIM_NAMES if degrees[n] > 1) or ("dp_shard",)
+    shape = tuple(degrees[n] for n in names)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    for name in FLATTENED:  # made now, on every rank together (each is a new process group)
+        submesh(mesh, name)
+    return mesh
 
 
 def check_tp_fits(tp: int, divisible: dict[str, int], *, seq_len: int | None = None,
@@ -224,7 +169,7 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _launched_world_size() -> int:
+def launched_world_size() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", 1))

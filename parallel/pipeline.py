@@ -26,22 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtrain.parallel.mesh import LayoutError
-
-# name -> (stages per rank: "one", "any" or an exact number; placement style)
-SCHEDULES: dict[str, tuple[object, str]] = {
-    "GPipe": ("one", "loop"),
-    "1F1B": ("one", "loop"),
-    "Interleaved1F1B": ("any", "loop"),
-    "LoopedBFS": ("any", "loop"),
-    "InterleavedZeroBubble": ("any", "loop"),
-    "ZBVZeroBubble": (2, "v"),
-    "DualPipeV": (2, "v"),
-}
-
-
-def default_stages_per_rank(schedule: str) -> int:
-    return 1 if SCHEDULES[schedule][0] == "one" else 2
-
+from meshtrain.parallel.vocabulary import SCHEDULES
 
 def check_pipeline(*, pp: int, n_layers: int, schedule: str, stages_per_rank: int,
                    n_microbatches: int, local_batch: int, layers_per_stage: int = 0,
@@ -50,7 +35,7 @@ def check_pipeline(*, pp: int, n_layers: int, schedule: str, stages_per_rank: in
     Returns the layers of each stage; raises LayoutError naming what to change."""
     if schedule not in SCHEDULES:
         raise LayoutError(f"unknown pipeline schedule {schedule!r}; accepted: {', '.join(SCHEDULES)}")
-    per_rank, _ = SCHEDULES[schedule]
+    per_rank = SCHEDULES[schedule][0]
     if per_rank == "one" and stages_per_rank != 1:
         raise LayoutError(f"{schedule} runs one stage per rank, but pp_stages_per_rank = {stages_per_rank}; "
                           f"use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble for virtual stages")

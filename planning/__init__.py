@@ -1,9 +1,28 @@
 """Planning on a laptop: how much memory, time and traffic a layout needs before any GPU
 is allocated.
 
-    python -m planning.plan --model 70B --nodes 8 --gpu h100-80gb ...   # rank layouts (cost.py's model)
-    python train.py --config X --dry-run --world-size N                  # trace one rank's real step
+    meshtrain plan --model 70B --nodes 8 --gpu h100-80gb ...   # rank layouts
+    meshtrain estimate --config X --world-size N                # one config's estimate
+    meshtrain dry-run --config X --world-size N                  # trace one rank's real step
 
-hardware.py holds the GPUs (peak compute, memory, links), cost.py the closed-form
-estimates, plan.py the layout search, dry_run.py the traced step on a fake process group.
+Each file has one concern; imports go one way, from the bottom of this list to the top
+(tests/test_imports.py checks it). Below all of it, physics/gpus.py holds the GPUs.
+
+    shape.py        what is planned: the model's sizes, the job (a layout is parallel's ParallelDims)
+    schedule.py     torch's pipeline schedules as lists of forwards and backwards
+    kernels.py      compute seconds of a block, op class by op class
+    shares.py       what each pipeline rank holds and runs
+    fake_world.py   a fake process group and torch's memory tracker, for tracing
+    collectives.py  a traced step's collectives, by mesh dimension
+    activations.py  activation bytes, traced on a two-block copy of the model
+    memory.py       peak memory per GPU
+    step_time.py    step time: compute, exposed traffic, the bubble, the optimizer
+    report.py       estimates as text, and a layout as a train.py config
+    estimate.py     memory + time = one layout's estimate; a train.py config's estimate
+    traced_step.py  one rank's training step on fake tensors, as train.py builds it
+    dry_run.py      the dry run's report, beside the estimate
+    collective_check.py   the hang check over representative ranks
+    search.py       every valid layout, those that fit, fastest first
+    verify.py       the top layouts dry-run and re-ranked
+    plan.py         the planner's command line
 """

@@ -7,7 +7,7 @@ The probe builds the model with two activation-checkpointing periods of blocks (
 4 for selective every 2), applies the real TP plan (sequence and loss parallel), the real
 AC wrapper and policy, casts to the compute dtype, and runs one sequence's forward, loss
 and backward on fake tensors on a fake process group of `tp` ranks -- the machinery of the
-dry run (planning/dry_run.py). Torch's memory tracker counts every tensor; module and
+dry run (planning/fake_world.py). Torch's memory tracker counts every tensor; module and
 gradient hooks read its counters at each block's boundary:
 
     embed          the embedding's output (the first block's input)
@@ -22,7 +22,7 @@ gradient hooks read its counters at each block's boundary:
 All of it is per sequence: activations are proportional to the micro-batch (flash
 attention keeps no s x s term). Parameters and their gradients are not activations: the
 probe runs without FSDP and asks autograd for the activations' gradients only; FSDP's
-gathered units and gradients are counted in planning/cost.py from the parameter counts.
+gathered units and gradients are counted in planning/memory.py from the parameter counts.
 Profiles are cached per key, so a search over hundreds of layouts traces each (sequence,
 tp, AC mode) once, in about a second.
 """
@@ -91,7 +91,7 @@ def activation_profile(key: ProbeKey) -> ActivationProfile:
     """Trace the probe for ``key`` (see the module docstring); cached per key."""
     import torch.distributed as dist
 
-    from meshtrain.planning.dry_run import init_fake_world, sharding_propagation_untracked
+    from meshtrain.planning.fake_world import init_fake_world, sharding_propagation_untracked
 
     if dist.is_initialized():  # the probe needs a fake world of its own
         raise RuntimeError("planning.activations traces on a fake process group of its own: call it "
@@ -145,7 +145,7 @@ def _trace(key: ProbeKey) -> ActivationProfile:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshtrain.parallel import loss_parallel_context
-    from meshtrain.planning.dry_run import _peak_only
+    from meshtrain.planning.fake_world import peak_only
     from torch.distributed._tools.mem_tracker import MemTracker
     from meshtrain.training.step import cross_entropy
 
@@ -153,7 +153,7 @@ def _trace(key: ProbeKey) -> ActivationProfile:
     blocks = list(model.transformer_blocks().values())
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        tracker = _peak_only(MemTracker)()
+        tracker = peak_only(MemTracker)()
         tracker.track_external(model)
         levels = _Levels(tracker)
         pre, post, phases, outputs, inputs = [], [], [], [], []
@@ -183,7 +183,7 @@ def _trace(key: ProbeKey) -> ActivationProfile:
             for out in outputs:  # fires when the gradient of a block's output is complete:
                 out.register_hook(lambda grad: phases.append(levels.mark()))  # the blocks after it are done
             # Activation gradients only, down to the first block's input: the parameters'
-            # gradients are FSDP's business (planning/cost.py counts them), and a
+            # gradients are FSDP's business (planning/memory.py counts them), and a
             # backward that made them would mix them into every working set.
             torch.autograd.grad(loss, inputs[0])
             phases.append(levels.mark())  # the first block

@@ -1,6 +1,6 @@
 """Will it hang? Check before launch that every group's members issue the same collectives.
 
-    python train.py --config llama405b_3d --dry-run --world-size 512 --check-collectives
+    meshtrain check --config llama405b_3d --world-size 512
 
 A collective returns only when every member of its process group has called it with a
 matching tensor. If one rank issues an all-reduce its peers do not (a rank-dependent
@@ -12,7 +12,7 @@ pipeline each pp coordinate runs different layers, so every pp coordinate is tra
 the other dimensions the ranks run the same program on different data, so one more rank
 is traced per dimension of size > 1, at the last coordinate of that dimension (it shares
 every group of that dimension with a traced rank), and the world's last rank. Each one's
-training step runs on fake tensors (`planning.dry_run`, one micro-batch per stage: the
+training step runs on fake tensors (`planning.traced_step`, one micro-batch per stage: the
 sequence repeats per micro-batch) while every collective is recorded in order: group,
 operation, shape, dtype and the phase of the step that issued it. Then:
 
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshtrain.planning.dry_run import CountCollectives
+from meshtrain.parallel.vocabulary import DIM_NAMES, WHOLE_BACKWARD
+from meshtrain.planning.collectives import CountCollectives
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,6 @@ class RecordCollectives(CountCollectives):
 # ---------------------------------------------------------------- which ranks
 
 def coordinates(dims, rank: int) -> dict[str, int]:
-    from meshtrain.parallel.mesh import DIM_NAMES
-
     out = {}
     for name in reversed(DIM_NAMES):  # the last dimension varies fastest
         size = getattr(dims, name)
@@ -108,8 +107,6 @@ def coordinates(dims, rank: int) -> dict[str, int]:
 
 
 def rank_of(dims, coords: dict[str, int]) -> int:
-    from meshtrain.parallel.mesh import DIM_NAMES
-
     rank = 0
     for name in DIM_NAMES:
         rank = rank * getattr(dims, name) + coords.get(name, 0)
@@ -119,8 +116,6 @@ def rank_of(dims, coords: dict[str, int]) -> int:
 def representatives(dims) -> list[int]:
     """Every pp coordinate (others at 0); the last coordinate of each other dimension of
     size > 1 (others at 0); the world's last rank."""
-    from meshtrain.parallel.mesh import DIM_NAMES
-
     ranks = [rank_of(dims, {"pp": p}) for p in range(dims.pp)]
     ranks += [rank_of(dims, {d: getattr(dims, d) - 1}) for d in DIM_NAMES[1:] if getattr(dims, d) > 1]
     ranks.append(dims.world_size - 1)
@@ -140,13 +135,15 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int) -> tuple[Ran
     """Record the collectives of one training step of ``rank`` (and its layout)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from meshtrain.planning.dry_run import build_rank, init_fake_world, mesh_group_names, trace_step
+    from meshtrain.planning.collectives import mesh_group_names
+    from meshtrain.planning.fake_world import init_fake_world
+    from meshtrain.planning.traced_step import build_rank, trace_step
     from meshtrain.training import recipe
 
     init_fake_world(rank, world_size)
     try:
         model, layout, mesh, parts = build_rank(cfg, world_size, gpus_per_node)
-        trace = RankTrace(rank, coordinates(layout.dims, rank))
+        trace = RankTrace(rank, coordinates(layout, rank))
         modules = [part for _, part in parts]
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in modules:
@@ -212,20 +209,20 @@ def play_schedule(layout) -> list[str]:
     each other: a forward waits for the previous stage's forward of its micro-batch, a
     backward for the next stage's backward; stages sit on the ranks `stage_ids` puts them."""
     from meshtrain.parallel.pipeline import stage_ids
-    from meshtrain.planning.schedule import SUPPORTED, Deadlock, play, rank_actions
+    from meshtrain.planning.schedule import Deadlock, play, rank_actions
 
     if layout.stage_layers is None:
         return []
-    pp, n_stages = layout.dims.pp, len(layout.stage_layers)
-    if layout.schedule not in SUPPORTED:
+    pp, n_stages = layout.pp, len(layout.stage_layers)
+    if layout.pp_schedule not in WHOLE_BACKWARD:
         return []  # no F/B model for the zero-bubble schedules; the groups were still compared
-    lists = rank_actions(layout.schedule, pp, layout.stages_per_rank, layout.n_microbatches)
+    lists = rank_actions(layout.pp_schedule, pp, layout.stages_per_rank, layout.pp_microbatches)
     problems = []
     for r, actions in enumerate(lists):
         held = set(stage_ids(r, pp, n_stages, layout.placement))
         stray = sorted({a.stage for a in actions} - held)
         if stray:
-            problems.append(f"the {layout.schedule} schedule runs stage(s) {stray} on pp rank {r}, which holds "
+            problems.append(f"the {layout.pp_schedule} schedule runs stage(s) {stray} on pp rank {r}, which holds "
                             f"stages {sorted(held)} ({layout.placement} placement)")
     if problems:
         return problems
@@ -234,7 +231,7 @@ def play_schedule(layout) -> list[str]:
     except Deadlock as stuck:
         waiting = [f"pp rank {r} at its {'forward' if a.kind == 'F' else 'backward'} of stage {a.stage}, "
                    f"micro-batch {a.microbatch}" for r, a in stuck.waiting]
-        return [f"the {layout.schedule} schedule deadlocks: " + "; ".join(waiting) + " wait for each other"]
+        return [f"the {layout.pp_schedule} schedule deadlocks: " + "; ".join(waiting) + " wait for each other"]
     return []
 
 
@@ -244,7 +241,7 @@ def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, ranks: li
     problems found, each in one line (empty: no hang found)."""
     started = time.perf_counter()
     first, layout = trace_rank(cfg, world_size, (ranks or [0])[0], gpus_per_node)
-    ranks = ranks or representatives(layout.dims)
+    ranks = ranks or representatives(layout)
     say(f"meshtrain collective check: tracing {len(ranks)} representative ranks of {world_size}: {_short(ranks)}")
     traces = [first]
     for rank in ranks[1:]:

@@ -1,9 +1,10 @@
-"""The planner's estimate for one given config, not a search: memory per GPU by category,
-step time by part, tokens/s/GPU and MFU, from the same formulas `planning.plan` ranks with.
+"""The planner's estimate of a layout: memory per GPU by category (planning/memory.py),
+step time by part (planning/step_time.py), tokens/s/GPU and MFU. `planning.plan` ranks
+layouts by it; for one given config, not a search:
 
-    python -m planning.estimate --config llama70b_2d --world-size 64 --gpu h100-80gb [--json]
+    meshtrain estimate --config llama70b_2d --world-size 64 --gpu h100-80gb [--json]
 
-The dry run (`train.py --dry-run --gpu ...`) prints this estimate beside its traced peak,
+The dry run (`meshtrain dry-run --gpu ...`) prints this estimate beside its traced peak,
 so the two say whether they agree. Formulas, not measurements: docs/planning.md says
 how far they are from traced and measured steps.
 """
@@ -14,31 +15,63 @@ import argparse
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass, field
 
 from meshtrain.models import registry
-from meshtrain.planning.cost import Estimate, Job, Layout, ModelShape, estimate
-from meshtrain.planning.hardware import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+from meshtrain.parallel.layout import ParallelDims
+from meshtrain.parallel.vocabulary import STRATEGIES
+from meshtrain.physics.flops import flops_per_token  # the FLOPs train.py reports MFU with
+from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+from meshtrain.planning.memory import Memory, memory_per_gpu
+from meshtrain.planning.report import format_breakdown
+from meshtrain.planning.shape import PLANNED_SCHEDULES, Job, ModelShape
+from meshtrain.planning.step_time import step_time
 
-AC_MODELLED = ("none", "selective", "full", "op")
-SCHEDULES_MODELLED = ("1F1B", "Interleaved1F1B")
 
+@dataclass
+class Estimate:
+    layout: ParallelDims
+    memory: Memory
+    step_time: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    comm_bytes: dict[str, float]   # per GPU per step, sent, by mesh dimension
+    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, optimizer
+    fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
+    compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
+
+
+def estimate(job: Job, lay: ParallelDims) -> Estimate:
+    """Memory per GPU and step time of ``lay``, and the throughput and MFU they make."""
+    t = step_time(job, lay)
+    m, tokens = job.model, job.global_batch * job.seq_len
+    tps = tokens / t.seconds / job.world
+    model_flops = flops_per_token(m.n_params, m.embedding, m.n_layers, m.dim, job.seq_len)
+    return Estimate(
+        layout=lay, memory=memory_per_gpu(job, lay), step_time=t.seconds, tokens_per_s_per_gpu=tps,
+        mfu=tps * model_flops / job.gpu.peak_bf16_flops, comm_bytes=t.comm_bytes, times=t.times,
+        fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split)
+
+
+# ---------------------------------------------------------------- a train.py config
 
 class NotModelled(ValueError):
     """The config uses something the formulas do not cover; the message says what."""
 
 
-def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu) -> tuple[Job, Layout]:
-    """The planner's (Job, Layout) for a train.py config whose layout train.py resolved
-    (training.recipe.plan_layout) and whose model it built (``model``, on meta)."""
+def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node: int, gpu) -> Job:
+    """The planner's Job for a train.py config whose layout train.py resolved
+    (training.recipe.plan_layout: the layout the planner then estimates, as it is) and whose
+    model it built (``model``, on meta). NotModelled for what the formulas lack."""
     ac, p = cfg.activation_checkpoint, cfg.parallelism
-    if ac.mode not in AC_MODELLED or (ac.mode == "selective" and ac.selective_every != 2):
+    if layout.ac == "selective" and ac.selective_every != 2:
         raise NotModelled(f"[activation_checkpoint] mode = \"{ac.mode}\"" +
                           (f", selective_every = {ac.selective_every}" if ac.mode == "selective" else "") +
                           ": the planner knows none, full, op, and selective with every 2nd block")
-    if layout.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+    if STRATEGIES[layout.strategy] == 0:  # NO_SHARD
         raise NotModelled(f"sharding strategy {layout.strategy}: the formulas assume FSDP shards the model")
-    if layout.pipelined and layout.schedule not in SCHEDULES_MODELLED:
-        raise NotModelled(f"pp_schedule = \"{layout.schedule}\": the formulas know {', '.join(SCHEDULES_MODELLED)}")
+    if layout.pipelined and layout.pp_schedule not in PLANNED_SCHEDULES:
+        raise NotModelled(f"pp_schedule = \"{layout.pp_schedule}\": the formulas know {', '.join(PLANNED_SCHEDULES)}")
     if p.pp_layers_per_stage or p.pp_split_points:
         raise NotModelled("a hand-placed pipeline split: the formulas split layers evenly")
     model_cfg = model.cfg
@@ -49,15 +82,8 @@ def planner_layout(cfg, layout, model, world_size: int, gpus_per_node: int, gpu)
                                       family=cfg.model.name, learned_positions=model.learned_positions())
     shape = dataclasses.replace(shape, n_layers=model_cfg.n_layers)  # [model] n_layers may override
     per_node = min(gpus_per_node, world_size)
-    job = Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
-              compiled=cfg.compile.enable)
-    dims = layout.dims
-    lay = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                 strategy=layout.strategy, ac=ac.mode,
-                 micro_batch=layout.local_batch // layout.n_microbatches if layout.pipelined else layout.local_batch,
-                 pp_schedule=layout.schedule or "1F1B", pp_microbatches=layout.n_microbatches,
-                 stages_per_rank=layout.stages_per_rank, cp=dims.cp)
-    return job, lay
+    return Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
+               compiled=cfg.compile.enable)
 
 
 def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:
@@ -67,7 +93,7 @@ def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:
 
     model = recipe.build_model(cfg, tokenizer_vocab=1)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
-    return estimate(*planner_layout(cfg, layout, model, world_size, gpus_per_node, gpu))
+    return estimate(planner_job(cfg, layout, model, world_size, gpus_per_node, gpu), layout)
 
 
 def as_dict(e: Estimate, gpu) -> dict:
@@ -104,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(as_dict(e, gpu), indent=1))
     else:
-        from meshtrain.planning.plan import format_breakdown
-
         print(format_breakdown(e, gpu, f"{cfg.job.name} at {args.world_size} ranks on {gpu.name}"))
         print(f"  throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%}")
         print(f"  error bands (docs/planning.md, Validation): memory within 10% of the dry run's trace "

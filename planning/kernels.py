@@ -4,7 +4,7 @@
     t.matmul, t.attention, t.memory      # seconds
 
 A step is not "the model FLOPs at one efficiency". Three classes of work run at three
-speeds, each kept per GPU in planning/hardware.py with where it comes from:
+speeds, each kept per GPU in physics/gpus.py with where it comes from:
 
 - **matmuls** (the projections, the FFN, the output layer): 2 FLOPs per weight per token
   forward, 4 backward, at `matmul_efficiency` of the bf16 peak (measured by

@@ -19,9 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-# Schedules whose IR has only F and B actions: what the memory and time models handle.
-# The zero-bubble ones split the backward into input (I) and weight (W) parts.
-SUPPORTED = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -35,9 +33,9 @@ class Action:
 def _rank_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int) -> tuple:
     from torch.distributed.pipelining import schedules as S
 
-    if schedule not in SUPPORTED:
+    if schedule not in WHOLE_BACKWARD:
         raise NotImplementedError(f"no F/B action model for pp_schedule {schedule!r}; the planner and "
-                                  f"dry run handle {', '.join(SUPPORTED)}")
+                                  f"dry run handle {', '.join(WHOLE_BACKWARD)}")
     cls = S.get_schedule_class(schedule)
     bare = cls.__new__(cls)  # no stages, no process group: only the fields the IR is computed from
     bare._n_microbatches = n_microbatches

@@ -106,8 +106,8 @@ def test_a_stage_sending_another_shape_than_the_next_receives_is_reported():
 
 
 def _pipeline(schedule, pp, per_rank, n_micro, placement="loop"):
-    return SimpleNamespace(stage_layers=[[i] for i in range(pp * per_rank)], dims=SimpleNamespace(pp=pp),
-                           schedule=schedule, stages_per_rank=per_rank, n_microbatches=n_micro,
+    return SimpleNamespace(stage_layers=[[i] for i in range(pp * per_rank)], pp=pp,
+                           pp_schedule=schedule, stages_per_rank=per_rank, pp_microbatches=n_micro,
                            placement=placement)
 
 

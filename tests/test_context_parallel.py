@@ -148,9 +148,9 @@ def test_dry_run_of_the_128k_config_counts_the_closed_form_all_to_all_bytes():
     assert payload == layers * 3 * per_layer
     assert sent == payload * (cp - 1) / cp
     assert report["fits"], report["memory"]["total"] / 2**30
-    # The planner's formulas (planning/cost.py) count the same bytes, and memory near the trace.
+    # The planner's formulas (planning/memory.py, planning/step_time.py) count the same bytes, and memory near the trace.
     from meshtrain.planning.estimate import estimate_config
-    from meshtrain.planning.hardware import get_gpu
+    from meshtrain.physics.gpus import get_gpu
 
     e = estimate_config(cfg, 8, 8, get_gpu("h100-80gb"))
     assert math.isclose(e.comm_bytes["cp"], sent, rel_tol=1e-9), (e.comm_bytes["cp"], sent)
@@ -209,8 +209,11 @@ def test_a_hugging_face_model_refuses_cp_naming_why(tmp_path):
 
 
 def test_the_planner_tries_cp_for_long_sequences_only_and_writes_it(tmp_path):
-    from meshtrain.planning.hardware import get_gpu
-    from meshtrain.planning.plan import Job, plan, resolve_model, to_toml
+    from meshtrain.physics.gpus import get_gpu
+    from meshtrain.planning.plan import resolve_model
+    from meshtrain.planning.report import to_toml
+    from meshtrain.planning.search import plan
+    from meshtrain.planning.shape import Job
     from meshtrain.training.config_loader import load_config
 
     job = Job(resolve_model("8B"), get_gpu("h100-80gb"), nodes=1, gpus_per_node=8, seq_len=131072, global_batch=1)

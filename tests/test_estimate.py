@@ -6,10 +6,12 @@ import tomllib
 
 import pytest
 
-from meshtrain.planning.cost import Job, estimate
-from meshtrain.planning.estimate import NotModelled, estimate_config, main
-from meshtrain.planning.hardware import get_gpu
-from meshtrain.planning.plan import candidates, resolve_model, to_toml
+from meshtrain.planning.estimate import NotModelled, estimate, estimate_config, main
+from meshtrain.physics.gpus import get_gpu
+from meshtrain.planning.plan import resolve_model
+from meshtrain.planning.report import to_toml
+from meshtrain.planning.search import candidates
+from meshtrain.planning.shape import Job
 from meshtrain.training.config_loader import load_config
 
 H100 = get_gpu("h100-80gb")

@@ -1,9 +1,9 @@
 """The planner's memory estimate is within 10% of the dry run's traced peak over a grid.
 
 Each point is a layout the planner can write (`plan --write`): it is estimated
-(planning.cost, activations from the traced two-block probe of planning/activations.py),
+(planning.estimate, activations from the traced two-block probe of planning/activations.py),
 written as a train.py config, and dry-run at its full world size on the pipeline rank
-the estimate calls fullest (planning.plan.trace). The grid crosses TP 1-8, no pipeline
+the estimate calls fullest (planning.verify.trace). The grid crosses TP 1-8, no pipeline
 and pipelines of 2 and 4 ranks (1F1B and interleaved), every AC mode, FULL_SHARD,
 SHARD_GRAD_OP and HYBRID_SHARD, on Llama 3 8B and 70B. Llama 3 405B at 512 ranks (pp 8
 interleaved x tp 8) is checked the same way in tests/test_dry_run.py, whose trace it
@@ -18,9 +18,12 @@ with its fp32 gradients accumulating from its first backward to the step's end).
 
 import pytest
 
-from meshtrain.planning.cost import Job, Layout, estimate
-from meshtrain.planning.hardware import GIB, get_gpu
-from meshtrain.planning.plan import resolve_model, trace
+from meshtrain.planning.estimate import estimate
+from meshtrain.physics.gpus import GIB, get_gpu
+from meshtrain.planning.plan import resolve_model
+from meshtrain.parallel import ParallelDims
+from meshtrain.planning.shape import Job
+from meshtrain.planning.verify import trace
 
 H100 = get_gpu("h100-80gb")
 
@@ -57,7 +60,7 @@ def _id(point) -> str:
 def test_estimate_within_10_percent_of_the_traced_peak(point):
     model, nodes, seq, batch, lay = point
     j = job(model, nodes, seq, batch)
-    e = estimate(j, Layout(**{"strategy": "FULL_SHARD", "dp_replicate": 1, **lay}))
+    e = estimate(j, ParallelDims(**{"strategy": "FULL_SHARD", "dp_replicate": 1, "world_size": j.world, **lay}))
     traced = trace(e, j)["memory"]["total"]
     assert traced == pytest.approx(e.memory.total, rel=0.10), \
         f"estimated {e.memory.total / GIB:.1f} GiB, traced {traced / GIB:.1f} GiB ({traced / e.memory.total - 1:+.0%})"

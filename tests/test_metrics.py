@@ -1,6 +1,6 @@
 import torch
 
-from meshtrain.planning.hardware import gpu_of_device
+from meshtrain.physics.gpus import gpu_of_device
 from meshtrain.training.metrics import (
     MetricsLogger,
     device_peak_flops,

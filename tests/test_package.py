@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 
 ONE_STEP = ("--config", "debug_2d", "--parallelism.tp=1", "--parallelism.dp_shard=1", "--training.steps=1",
             "--training.seq_len=32")
-SHADOWS = ("models", "training", "parallel", "planning", "train", "cli")  # the commonest names in ML code
+SHADOWS = ("models", "training", "parallel", "planning", "physics", "train", "cli")  # the commonest names in ML code
 
 
 def meshtrain_env() -> dict:
@@ -43,7 +43,7 @@ def test_nothing_in_meshtrain_imports_a_bare_top_level_name():
     break for every user: each import of our own code must be spelled meshtrain.*."""
     import ast
 
-    ours = {"parallel", "models", "training", "planning", "train", "cli"}
+    ours = {"parallel", "models", "training", "planning", "physics", "train", "cli"}
     bad = []
     for path in ROOT.rglob("*.py"):
         if {".venv", ".git", "build"} & set(path.parts):
@@ -109,6 +109,25 @@ def test_an_error_after_start_up_is_said_once_with_no_torchrun_report(tmp_path):
     assert "ChildFailedError" not in proc.stderr and "Root Cause" not in proc.stderr, proc.stderr
 
 
+NOT_INSTALLED = {"tests", "docs", "examples", "bench", "scripts", "build", "dist"}  # the checkout's, not the package's
+
+
+def listed_packages() -> list[str]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+
+
+def test_every_package_folder_is_installed():
+    """A new folder of code left out of pyproject's list works from the checkout and is
+    missing from every install: each folder with an __init__.py must be listed."""
+    folders = {"meshtrain." + ".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.glob("**/__init__.py")
+               if not ({".venv", ".git"} | NOT_INSTALLED) & set(p.relative_to(ROOT).parts)}
+    assert folders == set(listed_packages()) - {"meshtrain"}
+
+
 def wheel_files(out: Path) -> set[str]:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "-w", str(out), str(ROOT)], check=True, capture_output=True, timeout=300)
@@ -123,12 +142,12 @@ def test_installed_from_a_wheel_it_trains_from_an_empty_folder(tmp_path):
     wheel, files = wheel_files(tmp_path / "dist")
     tracked = subprocess.run(["git", "ls-files", "*.py", "configs"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
-    package = [f for f in tracked if f.split("/")[0] in ("parallel", "models", "training", "planning", "configs")
-               or f in ("train.py", "cli.py")]
+    tops = {name.split(".")[1] for name in listed_packages() if "." in name} | {"configs"}
+    package = [f for f in tracked if f.split("/")[0] in tops or ("/" not in f and f.endswith(".py"))]
     missing = [f for f in package if f"meshtrain/{f}" not in files]
     assert not missing, f"not in the wheel: {missing}"
-    tops = {f.split("/")[0] for f in files if not f.startswith("meshtrain-")}
-    assert tops == {"meshtrain"}, f"installed top-level names besides meshtrain: {tops - {'meshtrain'}}"
+    installed = {f.split("/")[0] for f in files if not f.startswith("meshtrain-")}
+    assert installed == {"meshtrain"}, f"installed top-level names besides meshtrain: {installed - {'meshtrain'}}"
 
     venv = tmp_path / "venv"  # torch comes from the system site; meshtrain only from the wheel
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)

@@ -91,7 +91,7 @@ def test_llama405b_3d_builds_at_512_ranks_with_each_stage_on_its_ranks(fake_worl
     fake_world(512, rank=rank)
     model = recipe.build_model(cfg, tokenizer_vocab=258)
     layout = recipe.plan_layout(cfg, model, world_size=512)
-    dims, layers = layout.dims, layout.stage_layers
+    dims, layers = layout, layout.stage_layers
     assert (dims.pp, dims.dp_shard, dims.tp) == (8, 8, 8)
     assert len(layers) == 16 and sum(layers, []) == list(range(126))
     mesh = dims.build_mesh("cpu")

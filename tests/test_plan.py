@@ -12,14 +12,19 @@ import pytest
 from meshtrain.training import recipe
 from meshtrain.models.llama import Llama
 from meshtrain.parallel import ParallelDims, check_tp_fits
-from meshtrain.planning.cost import (BF16, FP32, Job, Layout, ModelShape, estimate, fsdp2_model_states, fsdp_rounds,
-                           layer_activation_bytes, memory_per_gpu, rank_local_params, rank_shares,
-                           zero_model_states)
+from meshtrain.planning.estimate import estimate
+from meshtrain.planning.memory import (BF16, FP32, fsdp2_model_states, layer_activation_bytes, memory_per_gpu,
+                                       rank_local_params, zero_model_states)
+from meshtrain.planning.shape import Job, ModelShape
+from meshtrain.planning.shares import rank_shares
+from meshtrain.planning.step_time import fsdp_rounds
 from meshtrain.parallel.fsdp import check_strategy
-from meshtrain.planning.hardware import GIB, get_gpu
+from meshtrain.physics.gpus import GIB, get_gpu
 from meshtrain.parallel.pipeline import check_pipeline
-from meshtrain.planning.hardware import HEADROOM
-from meshtrain.planning.plan import plan, resolve_model, run, to_toml
+from meshtrain.physics.gpus import HEADROOM
+from meshtrain.planning.plan import resolve_model, run
+from meshtrain.planning.report import to_toml
+from meshtrain.planning.search import plan
 from tests.conftest import ROOT
 from meshtrain.training.config_loader import load_config
 from meshtrain.training.metrics import flops_per_token
@@ -62,15 +67,16 @@ def test_parameter_counts_match_the_real_model(flavor):
 
 def test_model_states_in_a_layout_are_16_bytes_per_local_param(job70):
     m = job70.model
-    lay = Layout(tp=8, pp=1, dp_replicate=1, dp_shard=8, strategy="FULL_SHARD", ac="full", micro_batch=1)
+    lay = ParallelDims(tp=8, pp=1, dp_replicate=1, dp_shard=8, world_size=64, strategy="FULL_SHARD", ac="full",
+                       micro_batch=1)
     mem = memory_per_gpu(job70, lay)
     # tp splits every matrix (and the vocab); the norm weights are replicated over tp.
     local = (m.n_layers * m.layer_split + m.embedding + m.head_split) / 8 \
         + m.n_layers * m.layer_replicated + m.head_replicated
     assert mem.params + mem.grads + mem.optimizer == pytest.approx(16 * local / 8)
     # Pipelined: each pp rank holds its stage's share; the worst one is reported.
-    lay_pp = Layout(tp=8, pp=2, dp_replicate=1, dp_shard=4, strategy="SHARD_GRAD_OP", ac="full",
-                    micro_batch=1, pp_microbatches=8)
+    lay_pp = ParallelDims(tp=8, pp=2, dp_replicate=1, dp_shard=4, world_size=64, strategy="SHARD_GRAD_OP", ac="full",
+                          micro_batch=1, pp_microbatches=8)
     shares = rank_shares(job70, lay_pp)
     assert [s.layers for s in shares] == [40, 40] and shares[0].first and shares[1].last
     worst = memory_per_gpu(job70, lay_pp)
@@ -89,19 +95,20 @@ def test_activation_bytes_of_our_block_by_hand():
 
 
 def test_activation_checkpointing_and_schedules_order_memory(job70):
-    base = dict(tp=8, pp=4, dp_replicate=1, dp_shard=2, strategy="SHARD_GRAD_OP", micro_batch=1,
+    base = dict(tp=8, pp=4, dp_replicate=1, dp_shard=2, world_size=64, strategy="SHARD_GRAD_OP", micro_batch=1,
                 pp_microbatches=16)
-    act = {ac: memory_per_gpu(job70, Layout(ac=ac, **base)).activations for ac in ("none", "selective", "full")}
+    act = {ac: memory_per_gpu(job70, ParallelDims(ac=ac, **base)).activations for ac in ("none", "selective", "full")}
     assert act["full"] < act["selective"] < act["none"]
     # 1F1B: stage 0 holds pp micro-batches in flight, the last stage one; GPipe all of them.
-    one = rank_shares(job70, Layout(ac="none", **base))
-    gpipe = rank_shares(job70, Layout(ac="none", pp_schedule="GPipe", **base))
+    one = rank_shares(job70, ParallelDims(ac="none", **base))
+    gpipe = rank_shares(job70, ParallelDims(ac="none", pp_schedule="GPipe", **base))
     assert [s.inflight / s.layers for s in one] == [4, 3, 2, 1]
     assert all(s.inflight / s.layers == 16 for s in gpipe)
 
 
 def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds(job70):
-    lay = Layout(tp=8, pp=1, dp_replicate=1, dp_shard=8, strategy="FULL_SHARD", ac="none", micro_batch=2)
+    lay = ParallelDims(tp=8, pp=1, dp_replicate=1, dp_shard=8, world_size=64, strategy="FULL_SHARD", ac="none",
+                       micro_batch=2)
     m, s, t = job70.model, job70.seq_len, 8
     tokens = job70.global_batch // lay.dp * s         # each data-parallel rank's, which its 8 TP GPUs share
     e = estimate(job70, lay)
@@ -120,7 +127,7 @@ def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds
     flops = flops_per_token(m.n_params, m.embedding, m.n_layers, m.dim, s)
     assert e.times["compute"] > flops * tokens / t / H100.achievable_flops
     # Full recomputation runs every block's forward again: matmuls +1/3, attention + 1/3.5.
-    full = estimate(job70, Layout(**{**lay.__dict__, "ac": "full"}))
+    full = estimate(job70, ParallelDims(**{**lay.__dict__, "ac": "full"}))
     block_mm = 6 * m.n_layers * m.layer_split / t * tokens / H100.achievable_flops
     assert full.compute_split["matmul"] == pytest.approx(matmul + block_mm / 3)
     assert full.compute_split["attention"] == pytest.approx(attention * 4.5 / 3.5)
@@ -135,10 +142,10 @@ def test_fsdp_bytes_full_shard_is_two_gathers_and_one_reduce_scatter(job70):
     # backward, SHARD_GRAD_OP only in forward; both reduce-scatter once. Gathers move bf16,
     # reductions fp32: each GPU sends its shard to the n - 1 others (ring).
     n = 8
-    base = dict(tp=8, pp=1, dp_replicate=1, dp_shard=n, ac="full", micro_batch=64)
-    shard = rank_local_params(job70.model, rank_shares(job70, Layout(strategy="FULL_SHARD", **base))[0], 8) / n
-    full = estimate(job70, Layout(strategy="FULL_SHARD", **base)).comm_bytes["dp_shard"]
-    zero2 = estimate(job70, Layout(strategy="SHARD_GRAD_OP", **base)).comm_bytes["dp_shard"]
+    base = dict(tp=8, pp=1, dp_replicate=1, dp_shard=n, world_size=64, ac="full", micro_batch=64)
+    shard = rank_local_params(job70.model, rank_shares(job70, ParallelDims(strategy="FULL_SHARD", **base))[0], 8) / n
+    full = estimate(job70, ParallelDims(strategy="FULL_SHARD", **base)).comm_bytes["dp_shard"]
+    zero2 = estimate(job70, ParallelDims(strategy="SHARD_GRAD_OP", **base)).comm_bytes["dp_shard"]
     assert full == pytest.approx(2 * BF16 * shard * (n - 1) + FP32 * shard * (n - 1))
     assert zero2 == pytest.approx(BF16 * shard * (n - 1) + FP32 * shard * (n - 1))
     # In one dtype that is exactly 3x and 2x the shard bytes times (n - 1).
@@ -149,11 +156,11 @@ def test_fsdp_rounds_match_the_collectives_counted_under_a_pipeline(job70):
     # docs/pipeline.md counts 3 FSDP units per stage, one of which (the last) is not
     # resharded after forward: FULL_SHARD makes 3 + 2n all-gathers, SHARD_GRAD_OP 3.
     for n in (2, 4, 8):
-        lay = Layout(tp=8, pp=2, dp_replicate=1, dp_shard=4, strategy="FULL_SHARD", ac="full",
-                     micro_batch=1, pp_microbatches=n)
+        lay = ParallelDims(tp=8, pp=2, dp_replicate=1, dp_shard=4, world_size=64, strategy="FULL_SHARD", ac="full",
+                           micro_batch=1, pp_microbatches=n)
         gathers, reductions = fsdp_rounds(lay, job70)
         assert 2 * gathers + 1 == 3 + 2 * n and reductions == 1
-        assert fsdp_rounds(Layout(**{**lay.__dict__, "strategy": "SHARD_GRAD_OP"}), job70) == (1, 1)
+        assert fsdp_rounds(ParallelDims(**{**lay.__dict__, "strategy": "SHARD_GRAD_OP"}), job70) == (1, 1)
 
 
 # ---------------------------------------------------------------- the search
@@ -276,7 +283,7 @@ def test_verify_dry_runs_the_top_layouts_and_reranks_by_traced_memory(capsys, mo
     # The real dry run on a small model: each verified layout gets a traced peak.
     job = Job(resolve_model("1B"), H100, nodes=1, gpus_per_node=4, seq_len=1024, global_batch=4)
     fitting, _, _ = plan(job)
-    from meshtrain.planning.plan import verify
+    from meshtrain.planning.verify import verify
 
     kept = verify(fitting[:2], job)
     lines = [line for line in capsys.readouterr().out.splitlines() if "traced" in line]

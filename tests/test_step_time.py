@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.planning.cost import estimate
+from meshtrain.planning.estimate import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("step_time_validation", ROOT / "bench/step_time_validation.py")

@@ -169,7 +169,7 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
 def test_a_bug_in_meshtrain_shows_its_traceback_and_is_not_called_bad_input(tmp_path):
     """Only meshtrain's own error types mean bad input (exit 2, one line). A ValueError from
     inside the code -- here planted in the loss -- is a bug: traceback, exit 1."""
-    code = ("import sys, train, training.step as s\n"
+    code = ("import sys\nfrom meshtrain import train\nimport meshtrain.training.step as s\n"
             "def broken(*a, **k):\n    raise ValueError('planted bug')\n"
             "s.cross_entropy = broken\n"
             "sys.exit(train.run(sys.argv[1:]))")
@@ -208,8 +208,8 @@ def test_llama70b_2d_config_builds_its_mesh_at_64_ranks(fake_world):
     cfg.job.device = "cpu"  # same layout checks; no GPU in CI
     model = recipe.build_model(cfg, tokenizer_vocab=258)
     layout = recipe.plan_layout(cfg, model, world_size=64)
-    assert (layout.dims.dp_shard, layout.dims.tp) == (8, 8)
-    mesh = layout.dims.build_mesh("cpu")
+    assert (layout.dp_shard, layout.tp) == (8, 8)
+    mesh = layout.build_mesh("cpu")
     assert mesh.mesh_dim_names == ("dp_shard", "tp")
     assert mesh["tp"].mesh.tolist() == list(range(8, 16))  # rank 9's node
     model = recipe.parallelize_part(model, mesh, cfg, layout)
@@ -225,7 +225,7 @@ def test_gpt2_175b_config_shards_its_tied_weight_once_at_128_ranks(fake_world):
     model = recipe.build_model(cfg, tokenizer_vocab=258)
     layout = recipe.plan_layout(cfg, model, world_size=128)
     assert 174e9 < sum(p.numel() for p in model.parameters()) < 175e9  # the tied weight counted once
-    model = recipe.parallelize_part(model, layout.dims.build_mesh("cpu"), cfg, layout)
+    model = recipe.parallelize_part(model, layout.build_mesh("cpu"), cfg, layout)
     wte = model.wte.weight
     assert model.lm_head.weight is wte  # still one weight after TP and FSDP
     assert wte.placements[-1] == Shard(0) and wte.to_local().shape == (50304 // 128, 12288)

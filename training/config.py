@@ -5,7 +5,8 @@ A run is one JobConfig. training/config_loader.py fills it -- defaults, then a T
 (which may `extends` another), then `--section.key value` flags -- and checks every value
 against the metadata here before any process group exists. The help text and
 docs/config.md are generated from the same metadata, so the three cannot drift apart.
-Nothing here imports torch: reading a config stays fast.
+Nothing here imports torch: reading a config stays fast. The strategies, AC modes and
+pipeline schedules accepted are parallel's own (parallel/vocabulary.py, torch-free).
 """
 
 import dataclasses
@@ -13,11 +14,10 @@ import math
 from dataclasses import dataclass, field, fields
 
 from meshtrain.models import registry
+from meshtrain.parallel.vocabulary import AC_MODES, SCHEDULES, STRATEGIES
 
 DTYPES = ("float32", "bfloat16")
-# The keys of parallel.pipeline.SCHEDULES (the same test keeps them equal).
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                "ZBVZeroBubble", "DualPipeV")
+PP_SCHEDULES = tuple(SCHEDULES)  # parallel's own list, read without importing torch
 
 
 def _families() -> tuple[str, ...]:
@@ -156,8 +156,7 @@ class ParallelismSection:
                                      min=1, aliases=("pipeline_parallel_split_points",))
     sharding_strategy: str = opt("auto", "what FSDP shards and when it reshards; auto: FULL_SHARD, "
                                  "SHARD_GRAD_OP under a pipeline, HYBRID_* with dp_replicate > 1",
-                                 choices=("auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
-                                          "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"))
+                                 choices=("auto", *STRATEGIES))
     sequence_parallel: bool = opt(True, "shard norms/residuals over the sequence inside TP")
     loss_parallel: bool = opt(True, "cross-entropy on vocab-sharded logits inside TP")
     cpu_offload: bool = opt(False, "keep FSDP parameter shards and optimizer state on CPU")
@@ -194,7 +193,7 @@ class ActivationCheckpointSection:
     mode: str = opt("none", "recompute activations in backward: none, full (every block), "
                     "selective (every selective_every-th block) or op (every block, keeping "
                     "matmul, attention and collective outputs: only cheap ops are recomputed)",
-                    choices=("none", "full", "selective", "op"))
+                    choices=AC_MODES)
     selective_every: int = opt(2, "selective: checkpoint one block in this many", min=1)
 
 

@@ -9,18 +9,18 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def announce(n_params: int, layout, mesh, start_step: int, run_dir: Path) -> None:
+def announce(n_params: int, layout, grad_accum: int, mesh, start_step: int, run_dir: Path) -> None:
     """One line before the first step: the mesh, the model, how each step's batch is cut."""
     if dist.get_rank() != 0:
         return
-    local = layout.local_batch * layout.grad_accum  # sequences per data-parallel rank per step
+    local = layout.local_batch * grad_accum  # sequences per data-parallel rank per step
     batch = f"{local} sequences per data-parallel rank per step"
-    if layout.grad_accum > 1:
-        batch += f", as {layout.grad_accum} accumulated forward/backward passes of {layout.local_batch}"
+    if grad_accum > 1:
+        batch += f", as {grad_accum} accumulated forward/backward passes of {layout.local_batch}"
     if layout.pipelined:
-        batch += (f" | pipeline {layout.schedule}: {len(layout.stage_layers)} stages of "
+        batch += (f" | pipeline {layout.pp_schedule}: {len(layout.stage_layers)} stages of "
                   f"{'/'.join(str(len(s)) for s in layout.stage_layers)} layers, each pass cut into "
-                  f"{layout.n_microbatches} micro-batches of {layout.local_batch // layout.n_microbatches}")
+                  f"{layout.pp_microbatches} micro-batches of {layout.micro_batch}")
     resumed = f" | resumed at step {start_step}" if start_step else ""
     print(f"meshtrain: {mesh} | {n_params / 1e6:,.1f}M parameters | {batch}{resumed} | logs in {run_dir}",
           flush=True)

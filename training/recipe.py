@@ -3,17 +3,18 @@
     model  = build_model(cfg, vocab)              # the whole model, on meta (models/registry.py)
     layout = plan_layout(cfg, model, world_size)  # every default resolved, every rule checked:
                                                   #   no process group exists yet
-    mesh   = layout.dims.build_mesh(...)
+    mesh   = layout.build_mesh(...)
     run    = build_parts(cfg, layout, mesh, model)  # stages cut; TP, AC, compile, FSDP per part
     optimizer, scheduler = build_optimizer(cfg, run.modules)
 
-Each default (the local batch, the accumulation steps, the pipeline's micro-batches and
-stages per rank, the sharding strategy) is worked out here once and read from `RunLayout`
-everywhere else.
+Each default (the micro-batch, the pipeline's micro-batches and stages per rank, the
+sharding strategy) is worked out here once, into the run's `ParallelDims`
+(parallel/layout.py), and read from it everywhere else -- the planner included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -28,9 +29,10 @@ from meshtrain.parallel.async_tp import async_tp_unavailable
 from meshtrain.parallel.context_parallel import check_cp_fits
 from meshtrain.parallel.float8 import apply_float8, float8_unavailable
 from meshtrain.parallel.fsdp import check_strategy
-from meshtrain.parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_stages_per_rank, split_into_stages
+from meshtrain.parallel.pipeline import build_schedule, check_pipeline, split_into_stages
 from meshtrain.parallel.tensor_parallel import check_tp_plan
 from meshtrain.parallel.tied import tie_across_stages
+from meshtrain.parallel.vocabulary import default_stages_per_rank
 from meshtrain.training.checkpoint import CheckpointError, CheckpointManager
 from meshtrain.training.config import ConfigError, JobConfig
 from meshtrain.training.config_loader import config_to_toml
@@ -98,24 +100,6 @@ def build_hf_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     return model
 
 
-@dataclass
-class RunLayout:
-    """The run's shape, resolved from the config and the world size before any process group."""
-    dims: ParallelDims
-    strategy: str                  # FULL_SHARD, SHARD_GRAD_OP, ... ("auto" resolved)
-    local_batch: int               # sequences per forward on one rank
-    grad_accum: int                # forwards per optimizer step on one rank
-    stage_layers: list[list[int]] | None = None  # layers of every pipeline stage; None: no pipeline
-    schedule: str = ""             # pipeline schedule
-    n_microbatches: int = 1        # the schedule's micro-batches per forward
-    stages_per_rank: int = 1
-    placement: str = "loop"        # how stages land on ranks: loop, or v (V schedules)
-
-    @property
-    def pipelined(self) -> bool:
-        return self.stage_layers is not None
-
-
 def _launch_hint(p) -> str:
     """The next step after a world that does not fit the [parallelism] degrees."""
     fixed = p.pp * p.dp_replicate * p.cp * p.tp
@@ -127,7 +111,7 @@ def _launch_hint(p) -> str:
 
 
 def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None, *,
-                gpus_per_node: int | None = None, this_machine: bool = True) -> RunLayout:
+                gpus_per_node: int | None = None, this_machine: bool = True) -> ParallelDims:
     """Everything about the layout that can be known without a process group, checked:
     degrees against the world, the model against TP, the strategy against the degrees,
     batch sizes, the pipeline and, with ``this_machine`` (not for a dry run, which plans for
@@ -160,25 +144,23 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
                     if t.local_batch_size else f"dp = {dims.dp_replicate}*{dims.dp_shard} = {dims.dp}")
         raise LayoutError(f"[training] global_batch_size = {t.global_batch_size} must be a multiple of "
                           f"{per_step} (dp = dp_replicate*dp_shard)")
-    layout = RunLayout(dims=dims, strategy=strategy, local_batch=local,
-                       grad_accum=t.global_batch_size // (dims.dp * local))
     if this_machine:
         _check_inputs(cfg)
         check_speed_options(cfg, dims)
+    each_step = dict(strategy=strategy, ac=cfg.activation_checkpoint.mode)
     if dims.pp == 1:
-        return layout
+        return dataclasses.replace(dims, micro_batch=local, **each_step)
     per_rank = p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)
     micro = p.pp_microbatches or dims.pp * per_rank  # one per stage: the fewest that fill the pipe
     try:
-        layout.stage_layers = check_pipeline(
+        stage_layers = check_pipeline(
             pp=dims.pp, n_layers=model.cfg.n_layers, schedule=p.pp_schedule, stages_per_rank=per_rank,
             n_microbatches=micro, local_batch=local, layers_per_stage=p.pp_layers_per_stage,
             split_points=p.pp_split_points)
     except LayoutError as err:
         raise LayoutError(f"[parallelism] pp = {dims.pp}, pp_schedule = \"{p.pp_schedule}\": {err}") from None
-    layout.schedule, layout.n_microbatches, layout.stages_per_rank = p.pp_schedule, micro, per_rank
-    layout.placement = SCHEDULES[p.pp_schedule][1]
-    return layout
+    return dataclasses.replace(dims, micro_batch=local // micro, pp_schedule=p.pp_schedule, pp_microbatches=micro,
+                               stages_per_rank=per_rank, stage_layers=stage_layers, **each_step)
 
 
 def _check_cp(dims: ParallelDims, model: nn.Module, seq_len: int, sequence_parallel: bool) -> None:
@@ -246,7 +228,7 @@ class Parts:
         return [module for _, module in self.parts]
 
 
-def build_parts(cfg: JobConfig, layout: RunLayout, mesh, model: nn.Module) -> Parts:
+def build_parts(cfg: JobConfig, layout: ParallelDims, mesh, model: nn.Module) -> Parts:
     """Cut this rank's pipeline stages out of the meta model (nothing else is ever
     allocated), then apply float8, TP, activation checkpointing, compile and FSDP to each."""
     pp_mesh = submesh(mesh, "pp")
@@ -255,7 +237,7 @@ def build_parts(cfg: JobConfig, layout: RunLayout, mesh, model: nn.Module) -> Pa
     return Parts(mesh, [(i, parallelize_part(part, mesh, cfg, layout)) for i, part in parts], model)
 
 
-def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: RunLayout) -> nn.Module:
+def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: ParallelDims) -> nn.Module:
     p, t = cfg.parallelism, cfg.training
     mixed = None
     if (t.mixed_precision_param, t.mixed_precision_reduce) != ("float32", "float32"):
@@ -264,7 +246,7 @@ def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: RunLayout) -
         apply_float8(part, skip=registry.get(cfg.model.name).high_precision)
     return parallelize(part, mesh, sharding_strategy=layout.strategy, mixed_precision=mixed,
                        cpu_offload=p.cpu_offload, sequence_parallel=p.sequence_parallel,
-                       loss_parallel=p.loss_parallel, activation_checkpoint=cfg.activation_checkpoint.mode,
+                       loss_parallel=p.loss_parallel, activation_checkpoint=layout.ac,
                        ac_every=cfg.activation_checkpoint.selective_every, compile=cfg.compile.enable,
                        async_tp=cfg.compile.async_tp)
 
@@ -277,7 +259,7 @@ def build_optimizer(cfg: JobConfig, modules: list[nn.Module]) -> tuple[Optimizer
     return optimizer, scheduler
 
 
-def build_step(cfg: JobConfig, layout: RunLayout, run: Parts, optimizer: Optimizers, device: torch.device):
+def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Optimizers, device: torch.device):
     """``step(micro_batches, step_number) -> (loss, grad_norm)``: forward, backward, clip
     and update, with or without a pipeline schedule. A weight tied across pipeline stages
     (its copies start equal: init draws each under its source's name) gets its copies'
@@ -298,9 +280,9 @@ def build_step(cfg: JobConfig, layout: RunLayout, run: Parts, optimizer: Optimiz
     tied = tie_across_stages(run.modules, mesh, pp_mesh, run.model.tied_weights())
     ids = [i for i, _ in run.parts]
     first, last = 0 in ids, len(layout.stage_layers) - 1 in ids  # feeds tokens / computes the loss
-    schedule = build_schedule(layout.schedule, run.parts, pp_mesh, n_microbatches=layout.n_microbatches,
+    schedule = build_schedule(layout.pp_schedule, run.parts, pp_mesh, n_microbatches=layout.pp_microbatches,
                               n_stages=len(layout.stage_layers), device=device,
-                              loss_fn=pipeline_loss_fn(layout.n_microbatches * layout.grad_accum))
+                              loss_fn=pipeline_loss_fn(layout.pp_microbatches * layout.grad_accum(t.global_batch_size)))
 
     def step(micro_batches, number):
         return pipeline_train_step(schedule, run.modules, optimizer, micro_batches, first=first, last=last,

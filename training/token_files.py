@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from meshtrain.training.config import ConfigError
-from meshtrain.training.data import DataLoader
+from meshtrain.training.loader import DataLoader
 from meshtrain.training.shuffle import permute, round_keys
 
 FORMAT, VERSION = "meshtrain-tokens", 1

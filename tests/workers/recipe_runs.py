@@ -57,7 +57,7 @@ def run(argv: list[str]) -> dict:
     torch.manual_seed(t.seed)
     model = recipe.build_model(cfg, build_tokenizer(t.tokenizer).vocab_size)
     layout = recipe.plan_layout(cfg, model)
-    mesh = layout.dims.build_mesh("cpu")
+    mesh = layout.build_mesh("cpu")
     parts = recipe.build_parts(cfg, layout, mesh, model)
     for part in parts.modules:
         part.init_weights(seed=t.seed, device="cpu")

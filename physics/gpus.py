@@ -1,6 +1,6 @@
 """The GPUs meshtrain knows: peak compute (MFU is measured against it), memory, links.
 
-One table for the planner (`python -m planning.plan`), the dry run's "fits" and
+One table for the planner (`meshtrain plan`), the dry run's "fits" and
 training's MFU. Spec figures are the vendors' data sheets (NVIDIA H100, H200 and A100
 datasheets: dense bf16 tensor-core FLOP/s, HBM size and bandwidth, NVLink); the measured
 ones are `bench.gpu_check`'s (an 8192^3 bf16 matmul: 773-798 TFLOP/s on an H100 SXM,

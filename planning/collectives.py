@@ -1,0 +1,92 @@
+"""Every collective a traced step dispatches, filed under the mesh dimension of its group:
+count, payload and the bytes one rank sends. The dry run reports them; the collective
+check (planning/collective_check.py) records them in order instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+_COLLECTIVES = {  # op name -> (kind, which tensor's size is the payload)
+    "_allgather_base_": ("all-gather", "out"), "allgather_into_tensor_coalesced_": ("all-gather", "out"),
+    "all_gather_into_tensor": ("all-gather", "out"), "_reduce_scatter_base_": ("reduce-scatter", "in"),
+    "reduce_scatter_tensor": ("reduce-scatter", "in"), "reduce_scatter_tensor_coalesced_": ("reduce-scatter", "in"),
+    "allreduce_": ("all-reduce", "in"), "all_reduce": ("all-reduce", "in"),
+    "broadcast_": ("broadcast", "in"), "send": ("send/recv", "in"), "recv_": ("send/recv", "in"),
+    "alltoall_base_": ("all-to-all", "in"), "all_to_all_single": ("all-to-all", "in"),
+}
+
+
+@dataclass
+class CommStats:
+    """Collectives by (mesh dimension, kind): count, payload bytes, and the bytes one rank
+    sends with ring algorithms: all-gather / reduce-scatter (n-1)/n of the full tensor,
+    all-reduce twice that; an all-to-all keeps 1/n of its input and sends the rest."""
+    rows: dict = field(default_factory=dict)
+
+    def add(self, dim: str, kind: str, payload: int, n: int, times: float = 1) -> None:
+        factor = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n,
+                  "all-reduce": 2 * (n - 1) / n}.get(kind, 1.0)
+        count, total, sent = self.rows.get((dim, kind), (0, 0, 0.0))
+        self.rows[(dim, kind)] = (count + times, total + payload * times, sent + payload * factor * times)
+
+
+class CountCollectives(TorchDispatchMode):
+    """Sees every c10d / functional collective as it is dispatched (the fake group makes
+    them no-ops) and files it under the mesh dimension its group belongs to."""
+
+    def __init__(self, group_names: dict[str, tuple[str, int]]):
+        super().__init__()
+        self.group_names, self.stats, self.phase = group_names, CommStats(), ""
+        self.stage_io = {}  # pipeline stage -> ((input shape, dtype), (output shape, dtype))
+        # (dimension, kind) -> how many times the step repeats what is being traced now
+        self.scale = lambda dim, kind: 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if func.namespace in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
+            kind, which = _COLLECTIVES[name]
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            tensor = tensors[0] if which == "out" or len(tensors) == 1 else tensors[-1]
+            if name in ("allreduce_", "broadcast_"):
+                tensor = tensors[0]
+            self.on_collective(kind, tensor, args)
+        return func(*args, **(kwargs or {}))
+
+    def on_collective(self, kind: str, payload: torch.Tensor, args) -> None:
+        dim, n = self._group(args)
+        self.stats.add(dim, kind, payload.numel() * payload.element_size(), n, self.scale(dim, kind))
+
+    def _group(self, args) -> tuple[str, int]:
+        for a in args:
+            if isinstance(a, str) and a in self.group_names:
+                return self.group_names[a]
+            if type(a).__name__ == "ScriptObject":
+                try:
+                    pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
+                except Exception:
+                    continue
+                return self.group_names.get(pg.group_name, (f"group of {pg.size()}", pg.size()))
+        return "?", 1
+
+
+def mesh_group_names(mesh) -> dict[str, tuple[str, int]]:
+    """Process-group name -> (mesh dimension(s), size), for the groups this rank is in."""
+    names = {}
+    dims = mesh.mesh_dim_names or ()
+    for dim in dims:
+        names[mesh[dim].get_group().group_name] = (dim, mesh[dim].size())
+    for i in range(len(dims)):  # flattened groups (dp, clipping's whole-mesh groups)
+        for j in range(i + 2, len(dims) + 1):
+            sub = mesh[dims[i:j]]
+            try:
+                flat = sub._flatten()
+            except Exception:
+                continue
+            names.setdefault(flat.get_group().group_name, ("x".join(dims[i:j]), flat.size()))
+    return names

@@ -1,0 +1,231 @@
+"""Peak memory per GPU of a layout: FSDP2's model states, the activations autograd keeps
+and the gathered parameters and unsharded gradients alive at the step's worst moment.
+docs/planning.md derives every term.
+
+Activations come from a traced probe of two blocks (planning/activations.py) where the
+family can build one, from closed forms of a Llama-shaped block otherwise. These are
+estimates to *rank* layouts, not predictions: they count what autograd, FSDP2 and the
+pipeline schedules of this code base keep alive, and ignore allocator fragmentation and
+CUDA/NCCL workspaces (the headroom of physics/gpus.py is for those). A dry run
+(`meshtrain dry-run`) measures the memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtrain.parallel.layout import ParallelDims
+from meshtrain.parallel.vocabulary import STRATEGIES
+from meshtrain.planning.activations import profile_for
+from meshtrain.planning.schedule import rank_actions
+from meshtrain.planning.shape import Job, ModelShape, rank_batch
+from meshtrain.planning.shares import RankShare, checkpointed_blocks, rank_shares
+
+BF16, FP32 = 2, 4
+
+
+# ---------------------------------------------------------------- the ZeRO paper's accounting
+
+def zero_model_states(psi: float, n_d: int, stage: str, k: int = 12) -> float:
+    """Model-state bytes per GPU in Rajbhandari et al. 2019 (Fig. 1): fp16 params (2Ψ) and
+    grads (2Ψ), and K·Ψ of optimizer state (fp32 master params, Adam m and v: K = 12).
+    stage: "baseline" (plain DP), "os" (P_os), "os+g" (P_os+g), "os+g+p" (P_os+g+p)."""
+    return {"baseline": (2 + 2 + k) * psi,
+            "os": 2 * psi + 2 * psi + k * psi / n_d,
+            "os+g": 2 * psi + (2 + k) * psi / n_d,
+            "os+g+p": (2 + 2 + k) * psi / n_d}[stage]
+
+
+def fsdp2_model_states(n_params: float, dp_shard: int) -> dict[str, float]:
+    """Ours: FSDP2 keeps fp32 sharded params (the master copy), fp32 sharded grads
+    (reduce dtype fp32) and AdamW's m and v, all sharded: 16 bytes/param / dp_shard.
+    The bf16 copies exist only while a unit is gathered (see `transient_bytes`)."""
+    return {"params": FP32 * n_params / dp_shard, "grads": FP32 * n_params / dp_shard,
+            "optimizer": 2 * FP32 * n_params / dp_shard}
+
+
+# ---------------------------------------------------------------- closed forms of one block
+
+def layer_activation_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
+    """Bytes autograd saves for one of *our* blocks' backward (bf16 compute; RMSNorm, GQA
+    through SDPA/flash, SwiGLU; sequence parallel when t > 1, as in models/llama/tp_plan.py):
+      full length (SP all-gathers the normed input; the q/k/v and w1/w3 matmuls save the
+      gathered tensor, once per sub-block):                           2 x 2sbh
+      sequence-sharded: attention_norm and ffn_norm inputs            2 x 2sbh/t
+      q after rotary, attention output (= wo input)                   2 x 2sbh/t
+      k, v at kv width (GQA)                                          2 x 2sb·kv/t
+      SwiGLU: w1 out, silu out, w3 out, their product (= w2 input)    4 x 2sb·f/t
+      SDPA's fp32 log-sum-exp per head                                4sb·a/t
+    Flash attention keeps no s x s matrix; rotary saves only its cos/sin tables."""
+    h, f, kv, a = m.dim, m.ffn_hidden, m.kv_dim, m.n_heads
+    return s * b * (BF16 * 2 * h + (BF16 * (4 * h + 2 * kv + 4 * f) + FP32 * a) / t)
+
+
+def block_input_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
+    """What a checkpointed block keeps: its input, sequence-sharded (2sbh/t)."""
+    return BF16 * s * b * m.dim / t
+
+
+def rank_local_params(m: ModelShape, share: RankShare, tp: int) -> float:
+    """Parameters one GPU of this pipeline rank holds after TP, before FSDP shards them."""
+    n = share.layers * (m.layer_split / tp + m.layer_replicated)
+    if share.first:
+        n += m.embedding / tp
+    if share.last:  # tied: the last stage holds its own copy, unless it is also the first
+        n += (0 if m.tied and share.first else m.head_split / tp) + m.head_replicated
+    return n
+
+
+def largest_unit(m: ModelShape, share: RankShare, tp: int) -> float:
+    """The biggest FSDP unit on this rank (a block, the embedding, or norm + output)."""
+    units = [m.layer_split / tp + m.layer_replicated]
+    if share.first:
+        units.append(m.embedding / tp)
+    if share.last:
+        units.append(m.head_split / tp + m.head_replicated)
+    return max(units)
+
+
+# ---------------------------------------------------------------- the peak
+
+@dataclass
+class Memory:
+    params: float = 0.0       # fp32 shards
+    grads: float = 0.0        # fp32 shards
+    optimizer: float = 0.0    # AdamW m, v (fp32 shards)
+    activations: float = 0.0  # saved for backward, backward workspace, logits and loss
+    transient: float = 0.0    # gathered bf16 params, unsharded grads, reduce-scatter buffers
+    pp_rank: int = 0          # the pipeline rank these numbers are for
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+
+def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float:
+    """FSDP2's unsharded state at the peak.
+    No pipeline, FULL_SHARD / HYBRID_SHARD: two units gathered in bf16 (the one running and
+      the one prefetched) and, in backward, one unit's bf16 gradient with its fp32 copy for
+      the reduce-scatter: (2 + 2 + 2 + 4) x largest unit.
+    No pipeline, SHARD_GRAD_OP / HYBRID_SHARD_ZERO2: every unit stays gathered from its
+      forward to its backward, so the whole local model in bf16, plus the gradient buffers.
+    Pipeline, any strategy: torch's PipelineStage turns off resharding after backward and
+      gradient sync until the step's last backward, so the whole stage stays gathered (bf16)
+      and its gradients accumulate unsharded in the fp32 reduce dtype until the one
+      reduce-scatter per step: 2 + 4 bytes per local param, plus one unit's bf16 gradient."""
+    local, unit = rank_local_params(m, share, lay.tp), largest_unit(m, share, lay.tp)
+    if lay.pp > 1:
+        return (BF16 + FP32) * local + BF16 * unit
+    if STRATEGIES[lay.strategy] == 2:  # ZeRO-2: kept gathered from forward to backward
+        return BF16 * local + (BF16 + FP32) * unit
+    return (2 * BF16 + BF16 + FP32) * unit
+
+
+def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
+    """Peak bytes per GPU on the worst pipeline rank (the one with the largest total).
+    Activations come from a traced probe of two blocks (planning/activations.py) where the
+    family can build one; otherwise from the formulas above."""
+    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac)
+    worst = None
+    for r, share in enumerate(rank_shares(job, lay)):
+        if prof is not None:
+            mem = traced_memory(job, lay, r, share, prof)
+        else:
+            mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(job.model, share, lay.tp), lay.fsdp_shard))
+            mem.activations, mem.transient = formula_activations(job, lay, share), transient_bytes(job.model, share, lay)
+        if worst is None or mem.total > worst.total:
+            worst = mem
+    return worst
+
+
+def _units(m: ModelShape, tp: int) -> tuple[float, float, float]:
+    """Local parameters of one block, the embedding and the head (final norm + output)."""
+    return (m.layer_split / tp + m.layer_replicated, m.embedding / tp,
+            (m.head_split if not m.tied else m.embedding) / tp + m.head_replicated)
+
+
+def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof) -> Memory:
+    """Pipeline rank ``rank``'s peak from the probe's per-sequence bytes and FSDP2's rules,
+    as the largest of the moments of its step.
+
+    No pipeline: the loss's backward (every block's activations and the head's kept, the
+    loss's working set, the head gathered); a block's backward (its recomputation and
+    gradients on top of what is kept; two blocks gathered, its gradient in bf16 and its
+    fp32 copy for the reduce-scatter); the end of the forward (the loss's fp32 copies);
+    the embedding's backward (every sharded gradient made). SHARD_GRAD_OP keeps every unit
+    gathered from its forward to its backward. Sharded fp32 gradients exist from the
+    step's first backward on only with gradient accumulation (train_step frees them).
+
+    Pipeline: each micro-batch of a stage keeps its input, its blocks and (last stage) the
+    head; torch's schedule says which are in flight at each of the rank's backwards. As
+    torch's PipelineStage turns resharding after backward and gradient reduction off
+    until the step's last backward, a stage stays gathered (bf16) and its unsharded
+    gradients accumulate in fp32 from its first backward on."""
+    m, b, t = job.model, lay.micro_batch, lay.tp
+    block, embed, head = _units(m, t)
+    local = rank_local_params(m, share, t)
+    shard = lay.fsdp_shard
+    mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=2 * FP32 * local / shard)
+    zero2 = STRATEGIES[lay.strategy] == 2
+    accumulating = rank_batch(job, lay) > lay.local_batch
+    held_grads = FP32 * local / shard if accumulating else 0.0
+    gathered = lambda *units: BF16 * (local if zero2 else sum(units))
+    if lay.pp == 1:
+        kept = b * (prof.embed + prof.kept(share.layers))
+        moments = [  # (gradients, transient, activations)
+            (held_grads, gathered(head), kept + b * (prof.head + prof.head_working)),
+            (held_grads, gathered(block, block) + (BF16 + FP32) * block, kept + b * prof.block_working),
+            (held_grads, gathered(head), kept + b * (prof.head + prof.forward_extra)),
+            (FP32 * local / shard, gathered(embed) + (BF16 + FP32) * embed, b * (prof.embed + prof.kept(1))),
+        ]
+        mem.grads, mem.transient, mem.activations = max(moments, key=sum)
+        return mem
+    weight, working, after, running = {}, {}, {}, {}
+    for s, n in zip(share.stage_ids, share.stage_layers):
+        first, last = s == 0, s == share.n_stages - 1
+        weight[s] = b * ((prof.embed if first else prof.stage_input) + prof.kept(n)
+                         + (prof.head if last else 0))
+        working[s] = b * max(prof.block_working, prof.head_working if last else 0)
+        params = n * block + first * embed + last * (0 if (m.tied and first) else head)
+        after[s] = FP32 * params + (0 if zero2 else BF16 * params)
+        running[s] = 0 if zero2 else BF16 * (head if last else block)
+    actions = rank_actions(lay.pp_schedule, lay.pp, lay.stages_per_rank, lay.pp_microbatches)[rank]
+    live, done, best = {s: 0 for s in weight}, set(), (-1.0, 0.0, 0.0)
+    for a in actions:
+        if a.kind == "F":
+            live[a.stage] += 1
+            continue
+        acts = sum(live[s] * weight[s] for s in live) + working[a.stage]
+        transient = sum(after[s] for s in done) + (running[a.stage] if a.stage not in done else 0)
+        if acts + transient > sum(best[1:]):
+            best = (0.0, transient, acts)
+        live[a.stage] -= 1
+        done.add(a.stage)
+    mem.grads = held_grads
+    mem.transient = best[1] + gathered()
+    mem.activations = best[2]
+    return mem
+
+
+def formula_activations(job: Job, lay: ParallelDims, share: RankShare) -> float:
+    """The closed forms (a Llama-shaped block): for families the probe cannot build."""
+    # Under context parallelism every activation holds this rank's seq / cp tokens (the
+    # all-to-alls trade tokens for heads: q, k, v keep their bytes).
+    m, s, b, t = job.model, job.seq_len // lay.cp, lay.micro_batch, lay.tp
+    full, kept = layer_activation_bytes(m, s, b, t), block_input_bytes(m, s, b, t)
+    ckpt = checkpointed_blocks(share, lay.ac) / share.layers
+    # Saved for backward by the micro-batches in flight: a checkpointed block keeps only
+    # its input. Plus the working set of one block's backward: its gradients (and, when
+    # it was checkpointed, its recomputed activations).
+    saved = share.inflight * (ckpt * kept + (1 - ckpt) * full)
+    working = (2 if lay.ac != "none" else 1) * full
+    if share.last:
+        # The final norm's input and gathered output per micro-batch in flight. The loss
+        # (loss_parallel, fp32, on the local vocab shard) keeps its fp32 log-softmax for
+        # backward; its peak is in backward: that log-softmax, the incoming gradient and
+        # the one produced, 3 x 4 bytes per logit (forward peaks lower, at 2 + 4 + 4).
+        logits = s * b * m.vocab / t
+        saved += share.head_inflight * BF16 * s * b * m.dim * (1 + 1 / t)
+        saved += (share.head_inflight - 1) * FP32 * logits   # other micro-batches' (GPipe)
+        working = max(working, 3 * FP32 * logits)
+    return saved + working

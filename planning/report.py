@@ -1,0 +1,90 @@
+"""The planner's estimates (planning/estimate.py's `Estimate`, which prints through this
+file and so is not imported here) as text: one line per layout, the ranking table, one
+layout's breakdown, and a layout written as a train.py config."""
+
+from __future__ import annotations
+
+from meshtrain.physics.gpus import GIB, HEADROOM, usable_bytes
+from meshtrain.parallel.layout import ParallelDims
+from meshtrain.planning.shape import Job, forwards_per_step
+
+
+def describe(lay: ParallelDims) -> str:
+    pipe = f"pp {lay.pp} {lay.pp_schedule} x {lay.pp_microbatches} micro-batches, " if lay.pp > 1 else ""
+    cp = f"cp {lay.cp}, " if lay.cp > 1 else ""
+    return (f"tp {lay.tp}, {cp}{pipe}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}, "
+            f"{lay.strategy}, AC {lay.ac}, micro-batch {lay.micro_batch}")
+
+
+def format_table(estimates: list) -> str:
+    cp = any(e.layout.cp > 1 for e in estimates)  # a cp column only where cp was tried
+    head = ("#", "tp", *(("cp",) if cp else ()), "pp", "dp_rep", "dp_shard", "strategy", "AC", "mbs", "schedule",
+            "pp_mb", "GiB/GPU", "step s", "tok/s/GPU", "MFU")
+    rows = [head]
+    for i, e in enumerate(estimates, 1):
+        lay = e.layout
+        rows.append((str(i), str(lay.tp), *((str(lay.cp),) if cp else ()), str(lay.pp), str(lay.dp_replicate),
+                     str(lay.dp_shard), lay.strategy, lay.ac, str(lay.micro_batch),
+                     lay.pp_schedule if lay.pp > 1 else "-", str(lay.pp_microbatches) if lay.pp > 1 else "-",
+                     f"{e.memory.total / GIB:.1f}", f"{e.step_time:.2f}",
+                     f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    left = {head.index(name) for name in ("strategy", "AC", "schedule")}  # text columns
+    return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in
+                               enumerate(zip(r, widths))).rstrip() for r in rows)
+
+
+def format_breakdown(e, gpu, title: str = "Best") -> str:
+    """One layout's estimate: memory by category, traffic, step time by part."""
+    m = e.memory
+    where = f" (pipeline rank {m.pp_rank}, the fullest)" if e.layout.pp > 1 else ""
+    lines = [f"{title}: {describe(e.layout)}", f"  memory per GPU{where}, GiB:"]
+    for name in ("params", "grads", "optimizer", "activations", "transient"):
+        lines.append(f"    {name:<12}{getattr(m, name) / GIB:8.2f}")
+    verdict = "fits in" if m.total <= usable_bytes(gpu) else "does NOT fit in"
+    lines.append(f"    {'total':<12}{m.total / GIB:8.2f}   {verdict} {usable_bytes(gpu) / GIB:.0f} usable of "
+                 f"{gpu.hbm_bytes / GIB:.0f} ({HEADROOM:.0%} headroom)")
+    lines.append("  sent per GPU per step, GB:  " + "  ".join(
+        f"{dim} {b / 1e9:.1f}" for dim, b in e.comm_bytes.items()))
+    lines.append("  step time, s:  " + "  ".join(f"{k} {v:.2f}" for k, v in e.times.items())
+                 + f"  = {e.step_time:.2f}")
+    lines.append("  compute, s:  " + "  ".join(f"{k} {v:.2f}" for k, v in e.compute_split.items())
+                 + "  (matmuls, flash attention, memory-bound element-wise work: planning/kernels.py)")
+    lines.append(f"  FSDP collectives take {e.fsdp_comm_time:.2f} s, {e.fsdp_comm_time / e.times['compute']:.0%} "
+                 f"of the compute they are assumed to hide behind")
+    return "\n".join(lines)
+
+
+def to_toml(e, job: Job, name: str, command: str) -> str:
+    """The layout as a config for train.py (same shape as configs/llama70b_2d.toml)."""
+    lay, m = e.layout, job.model
+    local = lay.local_batch
+    pipe = [f'pp_schedule = "{lay.pp_schedule}"', f"pp_microbatches = {lay.pp_microbatches if lay.pp > 1 else 0}"]
+    if lay.pp > 1 and lay.stages_per_rank > 1:
+        pipe.append(f"pp_stages_per_rank = {lay.stages_per_rank}")
+    if lay.pp == 1:
+        pipe = [p + "    # unused without a pipeline" for p in pipe]
+    return "\n".join([
+        f"# Planned by: {command}",
+        f"# Estimate (formulas, not a measurement; see docs/planning.md): "
+        f"{e.memory.total / GIB:.1f} GiB per GPU of {job.gpu.hbm_bytes / GIB:.0f},",
+        f"# {e.step_time:.2f} s per step, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%} "
+        f"on {job.nodes} x {job.gpus_per_node} {job.gpu.name}.",
+        f"# Measure the memory: meshtrain dry-run --config {name}.toml --world-size {job.world}",
+        f"# Launch on each of {job.nodes} node(s):",
+        f"#   torchrun --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} --rdzv-backend=c10d \\",
+        f"#            --rdzv-endpoint=HOST:29500 train.py --config {name}.toml",
+        "",
+        "[job]", f'name = "{name}"', 'output_dir = "outputs"',
+        f'description = "{m.family} {m.flavor}: {describe(lay)}"', 'device = "cuda"', "",
+        "[model]", f'name = "{m.family}"', f'flavor = "{m.flavor}"', f"vocab_size = {m.vocab}", "",
+        "[training]", f"global_batch_size = {job.global_batch}",
+        f"local_batch_size = {local}" + ("" if lay.pp > 1 else
+                                          f"      # {forwards_per_step(job, lay)} accumulation step(s)"),
+        f"seq_len = {job.seq_len}", 'mixed_precision_param = "bfloat16"',
+        'mixed_precision_reduce = "float32"', "",
+        "[parallelism]", f"dp_replicate = {lay.dp_replicate}", f"dp_shard = {lay.dp_shard}",
+        f"tp = {lay.tp}", f"pp = {lay.pp}", *([f"cp = {lay.cp}"] if lay.cp > 1 else []), *pipe,
+        f'sharding_strategy = "{lay.strategy}"',
+        "sequence_parallel = true", "loss_parallel = true", "",
+        "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", ""])

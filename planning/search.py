@@ -1,0 +1,94 @@
+"""The layout search: every layout train.py accepts for a job, those that fit in memory,
+fastest first.
+
+Enumerates tp inside a node x pp x dp_replicate x dp_shard, context parallelism inside the
+node too for sequences of LONG_SEQ tokens or more, micro-batch size, pipeline schedule and
+micro-batches, activation checkpointing and FSDP strategy; checks each with the functions
+train.py checks its config with; estimates the rest (planning/estimate.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from meshtrain.parallel.context_parallel import check_cp_fits
+from meshtrain.parallel.fsdp import check_strategy
+from meshtrain.parallel.layout import ParallelDims
+from meshtrain.parallel.mesh import LayoutError, check_tp_fits
+from meshtrain.parallel.vocabulary import AC_MODES, STRATEGIES, default_stages_per_rank
+from meshtrain.physics.gpus import usable_bytes
+from meshtrain.planning.estimate import Estimate, estimate
+from meshtrain.planning.memory import memory_per_gpu
+from meshtrain.planning.shape import PLANNED_SCHEDULES, Job
+
+# Context parallelism is tried from this sequence length on: below it a sequence's
+# activations fit beside the model states on one GPU, and cp only adds all-to-alls.
+LONG_SEQ = 32_768
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_layout(job: Job, lay: ParallelDims) -> None:
+    """The rules train.py applies before starting, from the same functions; LayoutError if
+    broken. (The degrees were checked when the layout was made; the pipeline rules run
+    inside shares.rank_shares, via check_pipeline.)"""
+    check_tp_fits(lay.tp, job.model.tp_divisible, seq_len=job.seq_len, gpus_per_node=job.gpus_per_node)
+    problems = check_cp_fits(lay.cp, lay.tp, heads=job.model.n_heads, seq_len=job.seq_len, sequence_parallel=True)
+    if problems:
+        raise LayoutError("cp does not fit the model: " + "; ".join(problems))
+    if job.global_batch % lay.dp:
+        raise LayoutError(f"global batch {job.global_batch} is not divisible by dp = {lay.dp}")
+    check_strategy(lay.strategy, lay.degrees)
+    if lay.fsdp_shard == 1:
+        raise LayoutError("no data-parallel sharding: model states would be held whole on every GPU")
+
+
+def candidates(job: Job):
+    """Every layout to try (unchecked): tp (x cp, for long sequences) divides a node, pp and
+    dp the rest."""
+    for tp, cp in ((tp, cp) for tp in divisors(job.gpus_per_node)
+                   for cp in (divisors(job.gpus_per_node // tp) if job.seq_len >= LONG_SEQ else (1,))):
+        for pp in divisors(job.world // (tp * cp)):
+            dp = job.world // (tp * cp * pp)
+            for dp_replicate in divisors(dp):
+                if dp == dp_replicate and cp == 1:  # no shard group: FSDP would not be applied (NO_SHARD)
+                    continue
+                # The sharding strategies (ZeRO-3 and ZeRO-2), in their HYBRID form with replicas.
+                strategies = [s for s, zero in STRATEGIES.items()
+                              if zero and s.startswith("HYBRID") == (dp_replicate > 1)]
+                local = job.global_batch // dp if job.global_batch % dp == 0 else 1
+                schedules = ([(s, default_stages_per_rank(s)) for s in PLANNED_SCHEDULES] if pp > 1
+                             else [("1F1B", 1)])
+                for micro_batch in divisors(local):
+                    for schedule, v in schedules:
+                        for strategy in strategies:
+                            for ac in AC_MODES:
+                                yield ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate,
+                                                   dp_shard=dp // dp_replicate, cp=cp, world_size=job.world,
+                                                   strategy=strategy, ac=ac, micro_batch=micro_batch,
+                                                   pp_schedule=schedule,
+                                                   pp_microbatches=local // micro_batch if pp > 1 else 1,
+                                                   stages_per_rank=v)
+
+
+def plan(job: Job) -> tuple[list[Estimate], Estimate | None, Counter]:
+    """(the layouts that fit, fastest first; when none fits, the one needing the least
+    memory; how many candidates each rule rejected)."""
+    budget = usable_bytes(job.gpu)
+    fitting, smallest, rejected = [], None, Counter()
+    for lay in candidates(job):
+        try:
+            check_layout(job, lay)
+            total = memory_per_gpu(job, lay).total
+        except LayoutError as err:
+            rejected[str(err).split(":")[0]] += 1
+            continue
+        if total <= budget:
+            fitting.append(estimate(job, lay))
+        elif smallest is None or total < smallest[0]:
+            smallest = (total, lay)
+    # Ties (common: hidden FSDP traffic costs nothing here) go to less memory, then fewer bytes.
+    fitting.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory.total, sum(e.comm_bytes.values())))
+    return fitting, (estimate(job, smallest[1]) if not fitting and smallest else None), rejected

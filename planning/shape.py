@@ -1,0 +1,112 @@
+"""What the planner plans for: a model's sizes, the cluster and the batch (a `Job`), and
+which of parallel's pipeline schedules it models. A layout of a job is the trainer's own
+type, `ParallelDims` (parallel/layout.py): the search's candidates are the layouts
+train.py runs, and a config's layout is estimated as train.py resolved it.
+
+Conventions of the models above this file (memory.py, step_time.py): bytes; "local" = one
+GPU's slice before FSDP shards it (after TP); s = sequence length, b = sequences per
+micro-batch, h = model width, t = TP degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshtrain.models import registry
+from meshtrain.parallel.layout import ParallelDims
+from meshtrain.physics.gpus import GPU
+
+# The pipeline schedules the planner searches and estimates, of all parallel's
+# (parallel/vocabulary.py): 1F1B and its interleaved form. GPipe and LoopedBFS have their
+# bubbles and hold more micro-batches in flight, so they never win; the zero-bubble ones
+# split a backward in two, which the step-time model does not.
+PLANNED_SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a model flavor, counted on a one-layer meta copy of the family's model
+    (models/registry.py). The closed-form activation terms of memory.py are written for a
+    Llama-shaped block (attention + gated FFN); for other families they are an approximation."""
+    flavor: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    kv_dim: int              # n_kv_heads * head_dim
+    ffn_hidden: int
+    vocab: int
+    layer_split: int         # per block: 2-D weights, split by TP
+    layer_replicated: int    # per block: norm weights and biases, replicated over TP
+    embedding: int           # embedding tables (vocab rows split by TP)
+    head_split: int          # output projection (the embedding's weight too when tied)
+    head_replicated: int     # final norm
+    tied: bool
+    tp_divisible: dict = field(default_factory=dict, compare=False)
+    family: str = "llama"
+    max_positions: int = 0   # rows of a learned position table (0: positions are computed)
+    head_dim: int = 0        # 0: dim / n_heads
+
+    @classmethod
+    def from_flavor(cls, flavor: str, vocab_size: int | None = None, family: str = "llama") -> "ModelShape":
+        # One block is enough to count a block; the layer count comes from the flavor.
+        overrides = {"vocab_size": vocab_size} if vocab_size else {}
+        fam = registry.get(family)
+        m = fam.model_class().from_flavor(flavor, meta=True, n_layers=1, **overrides)
+        return cls.from_model(m, flavor=flavor, n_layers=fam.flavors[flavor].n_layers, family=family,
+                              learned_positions=fam.learned_positions)
+
+    @classmethod
+    def from_model(cls, m, *, flavor: str, n_layers: int, family: str, learned_positions: bool) -> "ModelShape":
+        """Sizes counted on a model (on meta) with at least one block."""
+        from torch import nn
+
+        c = m.cfg
+        block = next(iter(m.transformer_blocks().children()))
+        in_block = {id(p) for p in m.transformer_blocks().parameters()}  # every block's: m may have more than one
+        embeddings = [mod.weight for mod in m.modules() if isinstance(mod, nn.Embedding)]
+        outside = [p for p in m.parameters() if id(p) not in in_block and all(p is not e for e in embeddings)]
+        count = lambda params, ndim: sum(p.numel() for p in params if p.ndim == ndim)
+        n_kv = getattr(c, "n_kv_heads", None) or c.n_heads
+        return cls(flavor=flavor, n_layers=n_layers, dim=c.dim, n_heads=c.n_heads,
+                   kv_dim=n_kv * c.head_dim, ffn_hidden=c.ffn_hidden, vocab=c.vocab_size,
+                   layer_split=count(block.parameters(), 2), layer_replicated=count(block.parameters(), 1),
+                   embedding=sum(e.numel() for e in embeddings),
+                   head_split=count(outside, 2) or (embeddings[0].numel() if c.tie_embeddings else 0),
+                   head_replicated=count(outside, 1), tied=c.tie_embeddings,
+                   tp_divisible=m.tp_divisible(), family=family,
+                   max_positions=c.max_seq_len if learned_positions else 0,
+                   head_dim=getattr(c, "head_dim", 0) or 0)
+
+    @property
+    def layer_params(self) -> int:
+        return self.layer_split + self.layer_replicated
+
+    @property
+    def n_params(self) -> int:
+        head = 0 if self.tied else self.head_split  # a tied output is the embedding's weight
+        return self.n_layers * self.layer_params + self.embedding + head + self.head_replicated
+
+
+@dataclass(frozen=True)
+class Job:
+    model: ModelShape
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int
+    seq_len: int
+    global_batch: int
+    compiled: bool = False   # [compile] enable: element-wise chains fused (planning/kernels.py)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def rank_batch(job: Job, lay: ParallelDims) -> int:
+    """Sequences per data-parallel rank per step."""
+    return job.global_batch // lay.dp
+
+
+def forwards_per_step(job: Job, lay: ParallelDims) -> int:
+    """Forwards each GPU runs per step: accumulation steps, or the pipeline's m."""
+    return lay.pp_microbatches if lay.pp > 1 else lay.grad_accum(job.global_batch)

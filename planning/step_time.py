@@ -1,0 +1,152 @@
+"""Step time of a layout: compute at kernel speeds (planning/kernels.py), the bytes each
+mesh dimension sends per step and how much of it compute hides, the pipeline bubble from
+torch's own schedule (planning/schedule.py), and the optimizer. docs/planning.md derives
+every term; docs/planning.md, Validation, says how far it is from measured steps.
+
+Links are physics/gpus.py's: a group that leaves the node runs at the inter-node speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshtrain.parallel.context_parallel import kv_repeats
+from meshtrain.parallel.layout import ParallelDims
+from meshtrain.parallel.vocabulary import STRATEGIES, WHOLE_BACKWARD
+from meshtrain.planning.kernels import block_seconds, head_seconds
+from meshtrain.planning.memory import BF16, FP32, largest_unit, rank_local_params
+from meshtrain.planning.schedule import makespan
+from meshtrain.planning.shape import Job, ModelShape, forwards_per_step
+from meshtrain.planning.shares import checkpointed_blocks, rank_shares
+
+
+def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of each FSDP unit per step.
+    No pipeline: every micro-batch gathers in forward (and again in backward with
+    FULL_SHARD) and reduce-scatters its gradients (train_step keeps gradient sync on).
+    Pipeline: SHARD_GRAD_OP gathers once per step; FULL_SHARD re-gathers after every
+    forward, m + 1 times (the 3 + 2n measured in docs/pipeline.md for 2 resharding units
+    and 1 that is not); one reduce-scatter per step either way."""
+    zero2 = STRATEGIES[lay.strategy] == 2
+    n = forwards_per_step(job, lay)
+    if lay.pp > 1:
+        return (1 if zero2 else n + 1), 1
+    return (n if zero2 else 2 * n), n
+
+
+def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    """A mesh group of ``size`` ranks, ``stride`` apart (tp innermost, see parallel/mesh.py),
+    leaves the node when it covers more ranks than a node has."""
+    return size > 1 and stride * size > gpus_per_node
+
+
+@dataclass
+class StepTime:
+    seconds: float
+    comm_bytes: dict[str, float]   # per GPU per step, sent, by mesh dimension
+    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, optimizer
+    fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
+    compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
+
+
+def step_time(job: Job, lay: ParallelDims) -> StepTime:
+    """One step of ``lay``: compute on the slowest pipeline rank, the TP, PP and CP traffic
+    on its critical path, the pipeline bubble, the FSDP traffic compute does not hide, and
+    the optimizer."""
+    m, gpu, s, b, t, cp = job.model, job.gpu, job.seq_len, lay.micro_batch, lay.tp, lay.cp
+    g, n_mb = job.gpus_per_node, forwards_per_step(job, lay)
+    shares = rank_shares(job, lay)
+    act = BF16 * s // cp * b * m.dim         # one micro-batch's hidden states, this rank's tokens
+    # The mesh is pp x dp_replicate x dp_shard x cp x tp: cp groups stride tp, FSDP's
+    # (dp_shard x cp) too, replicas tp x dp_shard x cp.
+    bw_dp = gpu.inter_node_bw if spans_nodes(t, lay.fsdp_shard, g) else gpu.intra_node_bw
+    bw_rep = gpu.inter_node_bw if spans_nodes(t * lay.fsdp_shard, lay.dp_replicate, g) else gpu.intra_node_bw
+    bw_pp = gpu.inter_node_bw if spans_nodes(t * lay.dp * cp, lay.pp, g) else gpu.intra_node_bw
+    bw_cp = gpu.inter_node_bw if spans_nodes(t, cp, g) else gpu.intra_node_bw
+
+    per_mb, tp_bytes, pp_bytes, cp_bytes, fsdp, parts = [], [], [], [], [], []
+    for share in shares:
+        ckpt = checkpointed_blocks(share, lay.ac)
+        # Matmuls, attention and memory-bound work at their own speeds (planning/kernels.py);
+        # this rank runs s / cp tokens of each of the micro-batch's b sequences.
+        tokens = b * s / cp
+        run = lambda recompute: block_seconds(m, tokens=tokens, seq=s, tp=t, cp=cp, gpu=gpu,
+                                              recompute=recompute, compiled=job.compiled)
+        seconds = (run("full") * ckpt + run("op" if lay.ac == "op" else "none") * (share.layers - ckpt))
+        if share.last:
+            seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu)
+        compute = seconds.total
+        parts.append(seconds)
+        # TP with SP, per block: 2 all-gathers + 2 reduce-scatters of the activation forward,
+        # the same in backward, and again forward for recomputed blocks; embedding and output
+        # add one each way. Each moves (t-1)/t of the activation per GPU.
+        n_coll = 8 * share.layers + 4 * ckpt + 2 * share.first + 2 * share.last
+        tp_b = n_coll * act * (t - 1) / t
+        # PP: each stage boundary sends the sequence-sharded activation forward and its
+        # gradient back.
+        sends = 2 * len(share.stage_layers) - share.first - share.last if lay.pp > 1 else 0
+        pp_b = sends * act / t
+        # CP: per block the four all-to-alls (q, k, v, out) run in forward, in backward, and
+        # again for a recomputed block; each sends (cp-1)/cp of this rank's piece. They sit
+        # between the projections and attention: on the critical path.
+        cp_b = (2 * share.layers + ckpt) * cp_exchange_bytes(m, s, b, t, cp) * (cp - 1) / cp
+        per_mb.append((compute, tp_b / gpu.intra_node_bw, pp_b / bw_pp, cp_b / bw_cp))
+        tp_bytes.append(tp_b * n_mb)
+        pp_bytes.append(pp_b * n_mb)
+        cp_bytes.append(cp_b * n_mb)
+        local = rank_local_params(m, share, t)
+        fsdp.append((local, largest_unit(m, share, t)))
+
+    # The slowest pipeline rank sets the pace of every micro-batch.
+    worst = max(range(len(shares)), key=lambda r: sum(per_mb[r]))
+    compute, tp_time, pp_time, cp_time = (x * n_mb for x in per_mb[worst])
+    busy = compute + tp_time + pp_time + cp_time
+    # Bubble: play torch's own schedule out with this rank's times (planning/schedule.py),
+    # a backward twice a forward; for 1F1B that is fill and drain, (pp - 1) micro-batches.
+    bubble = 0.0
+    if lay.pp > 1 and lay.pp_schedule in WHOLE_BACKWARD:
+        chunk = busy / n_mb / lay.stages_per_rank  # one micro-batch through one stage
+        bubble = makespan(lay.pp_schedule, lay.pp, lay.stages_per_rank, n_mb, chunk / 3, 2 * chunk / 3) - busy
+    elif lay.pp > 1:
+        bubble = busy * (lay.pp - 1) / lay.stages_per_rank / n_mb
+
+    # FSDP on the rank with the most parameters. Ring collectives: each GPU sends (n-1)/n of
+    # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
+    local, unit = max(fsdp)
+    ds, dr = lay.fsdp_shard, lay.dp_replicate
+    n_ag, n_rs = fsdp_rounds(lay, job)
+    ag = BF16 * local * (ds - 1) / ds
+    rs = FP32 * local * (ds - 1) / ds
+    ar = 2 * FP32 * local / ds * (dr - 1) / dr
+    fsdp_time = (n_ag * ag + n_rs * rs) / bw_dp + n_rs * ar / bw_rep
+    # Overlap: FSDP2 prefetches, so its collectives hide behind compute except the first
+    # unit's gather and the last unit's reduction of each round. Under a pipeline the one
+    # reduce-scatter (+ HSDP all-reduce) runs after the last backward: fully exposed.
+    frac = unit / local
+    if lay.pp > 1:
+        gathers = n_ag * ag / bw_dp
+        exposed = max(0.0, gathers - compute) + frac * ag / bw_dp + rs / bw_dp + ar / bw_rep
+    else:
+        exposed = max(0.0, fsdp_time - compute) + n_mb * frac * (ag / bw_dp + rs / bw_dp + ar / bw_rep)
+    # AdamW is memory-bound: read param, grad, m, v; write param, m, v (fp32), + the grad norm.
+    optimizer = 8 * FP32 * local / ds / gpu.hbm_bandwidth
+
+    step = busy + bubble + exposed + optimizer
+    return StepTime(
+        seconds=step,
+        comm_bytes={"dp_shard": n_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
+                    "tp": max(tp_bytes), "pp": max(pp_bytes), **({"cp": max(cp_bytes)} if cp > 1 else {})},
+        times={"compute": compute, "tp": tp_time, "pp": pp_time, **({"cp": cp_time} if cp > 1 else {}),
+               "bubble": bubble, "fsdp": exposed, "optimizer": optimizer}, fsdp_comm_time=fsdp_time,
+        compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
+
+
+def cp_exchange_bytes(m: ModelShape, s: int, b: int, t: int, cp: int) -> float:
+    """Bytes one block's four all-to-alls take in, on one rank: q and the attention output
+    at query width, k and v at kv width (repeated when a TP rank's kv heads do not split
+    over cp; parallel.context_parallel.kv_repeats), for seq / cp tokens, bf16."""
+    if cp == 1:
+        return 0.0
+    head_dim = m.head_dim or m.dim // m.n_heads
+    repeats = kv_repeats(m.n_heads // t, m.kv_dim // head_dim // t, cp)
+    return BF16 * s // cp * b * (2 * m.n_heads * head_dim + 2 * m.kv_dim * repeats) / t

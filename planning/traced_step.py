@@ -1,0 +1,181 @@
+"""One training step of one rank, as train.py builds and runs it, on fake tensors.
+
+`build_rank` builds the rank's model, layout, mesh and parallelized parts with the very
+recipe train.py uses (training/recipe.py), on meta; `trace_step` runs forward, loss,
+backward, gradient clipping and AdamW. Under a pipeline the schedule itself needs its
+neighbours, which a fake group does not have: the rank's forwards and backwards are
+replayed in the order torch's schedule runs them (`pipeline_actions`), with FSDP set up as
+torch's PipelineStage sets it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from meshtrain.parallel import clip_grad_norm_, loss_parallel_context, submesh
+from meshtrain.parallel.grad_clip import _whole_group
+from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
+from meshtrain.planning.schedule import Action, rank_actions, replay_prefix
+from meshtrain.training import recipe
+from meshtrain.training.step import cross_entropy
+
+
+def build_rank(cfg, world_size: int, gpus_per_node: int):
+    """(model, layout, mesh, parts) of this rank, as train.py builds them, on meta."""
+    cfg.job.device = "cpu"  # fake tensors live on the CPU; the layout checks are the same
+    model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
+    layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
+    mesh = layout.build_mesh("cpu")
+    parts = recipe.build_parts(cfg, layout, mesh, model).parts
+    for param in (q for _, m in parts for q in m.parameters()):
+        if isinstance(param, DTensor):
+            _whole_group(param.device_mesh)  # made now: creating groups under fake tensors fails
+    return model, layout, mesh, parts
+
+
+def init_optimizer_state(parts, optimizers, accumulating: bool = False) -> None:
+    """AdamW allocates its state on its first step; a steady-state step has it all along,
+    so it exists before the traced step (one step on zero gradients, not tracked). With
+    gradient accumulation the traced micro-batch is a later one: the sharded gradients of
+    the earlier ones are already there (train_step sets them to None only at step start)."""
+    for part in parts:
+        for q in part.parameters():
+            q.grad = torch.zeros_like(q)
+    optimizers.step()
+    optimizers.zero_grad(set_to_none=not accumulating)
+
+
+def in_flight(n_micro: int, stage: int, n_stages: int) -> int:
+    """For schedules without an F/B action model (the zero-bubble ones): micro-batches
+    whose activations one stage holds at once, the 1F1B family's count."""
+    return min(n_micro, n_stages - stage)
+
+
+def rank_seq(cfg, layout) -> int:
+    """Tokens of each sequence this rank holds: its piece under context parallelism."""
+    return cfg.training.seq_len // layout.cp
+
+
+def activation_seq(cfg, layout) -> int:
+    """Sequence length of the activations between blocks: this rank's piece of the
+    sequence (`rank_seq`), divided by tp under sequence parallel."""
+    tp, seq = layout.tp, rank_seq(cfg, layout)
+    return seq // tp if (tp > 1 and cfg.parallelism.sequence_parallel) else seq
+
+
+def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, actions=None) -> str:
+    """One training step of this rank on fake tensors (see the module docstring). Of the
+    step's gradient-accumulation micro-batches one is traced: each is the same work and
+    frees its activations before the next, so the peak is the same; its collectives are
+    counted once per micro-batch. Under a pipeline ``actions`` (default: this rank's
+    schedule, up to its last new state) are the forwards and backwards run. ``comm.phase`` names the
+    part of the step running, for reports. Returns what was traced, in words."""
+    t = cfg.training
+    local, accum = layout.local_batch, layout.grad_accum(t.global_batch_size)
+    loss_parallel = layout.tp > 1 and cfg.parallelism.loss_parallel
+
+    if layout.stage_layers is None:
+        comm.scale = lambda dim, kind: accum
+        tokens = torch.randint(0, model_cfg.vocab_size, (local, rank_seq(cfg, layout)))
+        with loss_parallel_context(loss_parallel):
+            comm.phase = "forward"
+            loss = cross_entropy(parts[0][1](tokens), tokens)
+            comm.phase = "backward"
+            loss.backward()
+        traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
+                  f"the others held)" if accum > 1 else f"one micro-batch of {local} sequences")
+    else:
+        traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions)
+        traced += f"; x {accum} accumulation steps" if accum > 1 else ""
+    comm.scale, comm.phase = (lambda dim, kind: 1), "gradient clipping"
+    pp_mesh = submesh(mesh, "pp")
+    clip_grad_norm_([q for _, part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
+    comm.phase = "optimizer step"
+    if not all(opt.defaults.get("fused") for opt in optimizers.optimizers):
+        optimizers.step()
+    # A fused AdamW step updates parameters and state in place and allocates nothing once
+    # its state exists, so it cannot move the peak. It is not traced: under fake tensors
+    # some torch versions (2.11) run its out-of-place form, which would count a whole
+    # second copy of parameters, gradients and state (measured on an H100: 64 GiB
+    # predicted for a 43 GiB step).
+    return traced
+
+
+def pipeline_actions(layout, stage_ids: list[int]) -> list:
+    """This rank's forwards and backwards in the order torch's schedule runs them, up to
+    the last new state of its step and drained (planning/schedule.py `replay_prefix`). Each
+    stage's unsharded gradients grow from its first backward to the step's end, so the
+    peak may come late (a replay cut right after every stage's first backward missed 7 of
+    45 GiB on Llama 3 8B, pp 2 interleaved). For a schedule without an F/B model, each
+    stage's in-flight forwards then their backwards, one stage after another."""
+    pp, n_micro = layout.pp, layout.pp_microbatches
+    if layout.pp_schedule in WHOLE_BACKWARD and layout.placement == "loop":
+        actions = rank_actions(layout.pp_schedule, pp, layout.stages_per_rank, n_micro)[stage_ids[0] % pp]
+        return replay_prefix(actions)
+    n_stages, out = len(layout.stage_layers), []
+    for s in stage_ids:
+        k = in_flight(n_micro, s, n_stages)
+        out += [Action("F", s, i) for i in range(k)] + [Action("B", s, i) for i in reversed(range(k))]
+    return out
+
+
+def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions=None) -> str:
+    """Replay this rank's forwards and backwards (see `pipeline_actions`). As torch's
+    PipelineStage does, FSDP neither reshards nor reduces after a backward until the
+    stage's last one, so every local stage's unsharded gradients accumulate meanwhile."""
+    t, n_micro = cfg.training, layout.pp_microbatches
+    accum = layout.grad_accum(t.global_batch_size)
+    n_stages, mb, seq = len(layout.stage_layers), layout.micro_batch, activation_seq(cfg, layout)
+    dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+    by_stage = dict(parts)
+    actions = actions or pipeline_actions(layout, list(by_stage))
+    forwards = {s: sum(a.kind == "F" and a.stage == s for a in actions) for s in by_stage}
+    pending = {}
+    for a in actions:
+        part, scale = by_stage[a.stage], n_micro * accum / forwards[a.stage]
+        # TP collectives happen per micro-batch, FSDP's per schedule step (once per
+        # accumulation step): scale what was traced to the whole step.
+        comm.scale = lambda dim, kind, scale=scale: scale if dim == "tp" else accum
+        with loss_parallel_context(loss_parallel):
+            if a.kind == "F":
+                # The tracker refuses a second top-level call of a module it has seen (it
+                # takes it for the next step); forgetting the stage's root is enough, and
+                # keeps what the pending backwards of other micro-batches look up.
+                if tracker is not None:
+                    tracker.memory_tracking.pop(part, None)
+                x = (torch.randint(0, model_cfg.vocab_size, (mb, rank_seq(cfg, layout))) if a.stage == 0 else
+                     torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
+                comm.phase = f"forward of stage {a.stage}, micro-batch {a.microbatch}"
+                out = part(x)
+                comm.stage_io[a.stage] = ((tuple(x.shape), x.dtype), (tuple(out.shape), out.dtype))
+                labels = torch.zeros(mb, rank_seq(cfg, layout), dtype=torch.long)
+                pending[a.stage, a.microbatch] = (cross_entropy(out, labels)
+                                                  if a.stage == n_stages - 1 else out), x
+                continue
+            out, x = pending.pop((a.stage, a.microbatch))
+            comm.phase = f"backward of stage {a.stage}, micro-batch {a.microbatch}"
+            if isinstance(part, FSDPModule):  # as PipelineStage.backward_one_chunk sets them
+                part.set_is_last_backward(False)
+                part.set_reshard_after_backward(False)
+                part.set_requires_gradient_sync(False)
+            out.backward(None if out.ndim == 0 else torch.ones_like(out))
+            # The input's gradient is sent back to the previous stage, then both are dropped.
+            # Free the input's storage too: torch's module tracker keeps the tensor itself
+            # referenced (its grad hooks), which held 32 MiB per micro-batch of a 70B stage.
+            x.grad = None
+            if x.dtype.is_floating_point:
+                x.untyped_storage().resize_(0)
+    # After the step's last backward the schedule reduces each stage's accumulated
+    # gradients (its REDUCE_GRAD action): torch's own method, on each traced stage.
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    comm.phase = "gradient reduction"
+    comm.scale = lambda dim, kind: accum
+    for s, part in parts:
+        _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=part), 1)
+    held = ", ".join(f"stage {s}: {forwards[s]}" for s in by_stage)
+    return f"{layout.pp_schedule} order of this rank up to its last new state, drained; forwards traced ({held}) of {n_micro} micro-batches"
