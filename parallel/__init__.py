@@ -11,13 +11,12 @@ tied between the first and last stage (parallel/tied.py).
 Knows no model: a model brings its TP plan (`tp_plan()`) and FSDP units (`fsdp_units()`),
 or the caller passes them.
 
-The names below are imported on first use, not with the package: the config reads
-parallel/vocabulary.py before torch is imported, and importing a submodule runs this file.
+The names below are imported on first use (PEP 562), not with the package: the config
+reads parallel/vocabulary.py before torch is imported, and importing a submodule runs
+this file.
 """
 
 import importlib
-import sys
-import types
 
 # submodule -> the names it gives the package
 _EXPORTS = {
@@ -28,7 +27,7 @@ _EXPORTS = {
     "layout": ("ParallelDims",),
     "mesh": ("LayoutError", "check_tp_fits", "default_device_type", "init_distributed", "mesh_coordinate",
              "shutdown_distributed", "submesh"),
-    "parallelize": ("parallelize",),
+    "compose": ("parallelize",),
     "pipeline": ("build_schedule", "check_pipeline", "split_into_stages", "split_layers", "stage_ids"),
     "tensor_parallel": ("apply_tp", "loss_parallel_context"),
     "tied": ("TiedWeights", "tie_across_stages"),
@@ -49,16 +48,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_SUBMODULE))
-
-
-class _Package(types.ModuleType):
-    """Importing a submodule sets the package's attribute of that name to the module; for
-    parallelize.py that would hide the function the package hands out under the same name."""
-
-    def __setattr__(self, name, value):
-        if name in _SUBMODULE and isinstance(value, types.ModuleType):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
