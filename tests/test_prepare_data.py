@@ -160,7 +160,7 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_refused(corpus, tmp_path, bpe
 
 
 def test_a_missing_or_inconsistent_index_is_refused(corpus, tmp_path):
-    with pytest.raises(ConfigError, match=r"dataset_path.*no .*index\.json.*prepare_data"):
+    with pytest.raises(ConfigError, match=r"dataset_path.*no .*index\.json.*prepare-data"):
         TokenFiles(str(tmp_path))
     make(corpus, tmp_path / "out")
     path = tmp_path / "out" / "index.json"
