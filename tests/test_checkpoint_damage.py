@@ -14,6 +14,8 @@ from tests.conftest import ROOT, torchrun
 from meshtrain.training.checkpoint import complete_checkpoints
 from meshtrain.training.checkpoint_reader import damage
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ONE = ("--parallelism.dp_shard=1", "--parallelism.tp=1")
 
 

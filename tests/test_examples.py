@@ -11,6 +11,8 @@ import torch
 
 from tests.conftest import ROOT, torchrun
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 # Launcher variables from an outer job would turn a plain run into a rank of that job.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

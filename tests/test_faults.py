@@ -13,6 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.conftest import ROOT, torchrun
 from meshtrain.training.checkpoint import complete_checkpoints
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STEPS = 16
 DP2_TP2 = ("--parallelism.dp_shard=2", "--parallelism.tp=2")
 

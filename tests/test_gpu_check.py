@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def test_cpu_mode_runs_every_section_and_writes_the_documented_json(tmp_path):

@@ -25,6 +25,8 @@ from meshtrain.parallel import ParallelDims
 from meshtrain.planning.shape import Job
 from meshtrain.planning.verify import trace
 
+pytestmark = pytest.mark.slow  # each point traces a full-size model step at its world size
+
 H100 = get_gpu("h100-80gb")
 
 

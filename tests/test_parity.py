@@ -12,6 +12,8 @@ from tests import oracle
 from tests.conftest import train_layouts
 from tests.workers import parity
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import torchrun
 from tests.workers import pp_collectives
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):

@@ -15,6 +15,8 @@ import torch
 from tests.conftest import ROOT, torchrun
 from meshtrain.training.run_lock import LOCK_NAME
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ONE = ("--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.seq_len=32")
 
 
@@ -89,7 +91,7 @@ def test_a_binary_file_in_the_dataset_is_refused_naming_it(tmp_path):
 
 
 def test_a_bad_config_is_refused_before_torch_is_imported():
-    code = ("import sys, train\n"
+    code = ("import sys\nfrom meshtrain import train\n"
             "rc = train.run(['--config', 'debug_2d', '--training.steps', 'ten'])\n"
             "assert rc == 2, rc\n"
             "assert 'torch' not in sys.modules, 'torch was imported to refuse a typo'")

@@ -5,9 +5,12 @@ own TensorBoard curve, and a hint with the launch command when the world does no
 import subprocess
 import sys
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, torchrun
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ONE_PROCESS = ("--config", "debug_2d", "--parallelism.tp=1", "--parallelism.dp_shard=1", "--training.steps=4")
 
