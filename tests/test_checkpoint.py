@@ -64,6 +64,7 @@ def uninterrupted(out):
     return losses(out, "whole")
 
 
+@pytest.mark.slow
 def test_killed_after_a_save_then_rerun_continues_bitwise(out, uninterrupted):
     crash(out, "resumed", "after-save", 6, *DP2_TP2)
     assert steps_saved(out, "resumed") == [6]
@@ -73,6 +74,7 @@ def test_killed_after_a_save_then_rerun_continues_bitwise(out, uninterrupted):
     assert steps_saved(out, "resumed") == [6, 12]
 
 
+@pytest.mark.slow
 def test_pipeline_run_killed_mid_save_resumes_from_the_previous_checkpoint_bitwise(out):
     keep = ("--checkpoint.interval=3", "--checkpoint.keep_latest_k=2")
     train(out, "pp_whole", *PP2_DP2, *keep)
@@ -89,6 +91,7 @@ def test_pipeline_run_killed_mid_save_resumes_from_the_previous_checkpoint_bitwi
     assert not (folder / "step-00000012.tmp").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,layout", [("fsdp4", ("--parallelism.dp_shard=4", "--parallelism.tp=1")),
                                          ("pp2_dp2", PP2_DP2)])
 def test_checkpoint_of_dp2_tp2_resumes_under_another_layout(out, uninterrupted, name, layout):
@@ -106,6 +109,7 @@ def _train_cli(*argv):
                           timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_with_the_difference(out, uninterrupted):
     shutil.copytree(out / "whole" / "checkpoint" / "step-00000006",
                     out / "other" / "checkpoint" / "step-00000006")
@@ -128,6 +132,7 @@ def test_incomplete_and_half_written_folders_are_not_checkpoints(tmp_path):
     assert any("step-00000009" in str(w.message) for w in caught)
 
 
+@pytest.mark.slow
 def test_training_starts_from_a_hugging_face_folder(tmp_path):
     """Fine-tuning a released model: the first loss is that of the Hugging Face weights."""
     from meshtrain.models.llama.hf import save_hf
@@ -152,6 +157,7 @@ def test_training_starts_from_a_hugging_face_folder(tmp_path):
     assert acc.Scalars("loss")[0].value == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_missing_hugging_face_folder_is_a_config_error(tmp_path):
     proc = _train_cli(*args(tmp_path, "nohf", "--parallelism.dp_shard=1", "--parallelism.tp=1",
                            f"--checkpoint.initial_load_hf={tmp_path / 'absent'}"))
@@ -160,6 +166,7 @@ def test_a_missing_hugging_face_folder_is_a_config_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_experiment_is_refused_unless_told_to_resume(out, uninterrupted):
     shutil.copytree(out / "whole" / "checkpoint" / "step-00000006",
                     out / "differs" / "checkpoint" / "step-00000006")

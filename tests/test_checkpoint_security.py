@@ -44,6 +44,7 @@ def plant_command(checkpoint, tmp_path):
     return marker
 
 
+@pytest.mark.slow
 def test_resume_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
     marker = plant_command(checkpoint, tmp_path)
     proc = run("train.py", *ARGS, f"--job.output_dir={tmp_path}", "--job.name=run")
@@ -53,6 +54,7 @@ def test_resume_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
     assert not marker.exists(), "the planted command ran"
 
 
+@pytest.mark.slow
 def test_export_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
     marker = plant_command(checkpoint, tmp_path)
     proc = run("-m", "meshtrain.training.export", str(checkpoint), str(tmp_path / "out"), "--format", "torch")
@@ -61,6 +63,7 @@ def test_export_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
     assert not marker.exists(), "the planted command ran"
 
 
+@pytest.mark.slow
 def test_an_entry_stored_as_pickled_bytes_is_refused(checkpoint, tmp_path):
     """DCP would unpickle a bytes entry with weights_only=False: refuse the index instead."""
     index = checkpoint / ".metadata"
@@ -73,6 +76,7 @@ def test_an_entry_stored_as_pickled_bytes_is_refused(checkpoint, tmp_path):
     assert proc.returncode == 2 and key in proc.stderr and "pickled bytes" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_truncated_index_is_refused_with_its_path(checkpoint, tmp_path):
     index = checkpoint / ".metadata"
     index.write_bytes(index.read_bytes()[:100])

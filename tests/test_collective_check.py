@@ -29,6 +29,7 @@ def test_every_shipped_config_is_listed():
     assert {p.stem for p in (ROOT / "configs").glob("*.toml")} == set(SHIPPED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_config_issues_matching_collectives_on_every_traced_rank(name):
     lines = []
@@ -65,6 +66,7 @@ def _run_check(capsys, *argv):
     return code, capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_rank_issuing_one_collective_more_is_reported_and_the_run_refused(monkeypatch, capsys):
     def extra_on_odd_tp_ranks(rank):
         if rank % 2 == 1:  # tp is innermost: odd ranks are tp rank 1
@@ -81,6 +83,7 @@ def test_a_rank_issuing_one_collective_more_is_reported_and_the_run_refused(monk
            "during the gradient clipping; rank 1 issues all-reduce of [16] float32 during the forward" in out, out
 
 
+@pytest.mark.slow
 def test_a_collective_whose_shape_depends_on_the_rank_is_reported(monkeypatch):
     _plant(monkeypatch, lambda rank: dist.all_reduce(torch.zeros(8 + rank % 2)))
     lines = []
@@ -90,6 +93,7 @@ def test_a_collective_whose_shape_depends_on_the_rank_is_reported(monkeypatch):
     assert "issues all-reduce of [9] float32" in problems[0], problems
 
 
+@pytest.mark.slow
 def test_without_a_plant_the_same_model_passes(capsys):
     code, out = _run_check(capsys)
     assert code == 0 and "HANG" not in out and "issue the same sequence" in out, out

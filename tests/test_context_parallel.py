@@ -67,6 +67,7 @@ def oracles(tmp_path_factory):
             for config, name in (("debug_2d", "cp2"), ("gpt2_debug_3d", "gpt2_cp2_tp2"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_layout_trains_like_plain_pytorch(results, oracles, layout):
     reference = oracles[LAYOUTS[layout][0]]
@@ -93,6 +94,7 @@ def test_each_rank_receives_the_kv_heads_its_query_heads_read(q_heads, kv_heads,
     assert repeats <= q_heads // kv_heads
 
 
+@pytest.mark.slow
 def test_train_py_cp2_tp2_gives_the_one_process_losses(tmp_path):
     """The issue's command: torchrun --nproc-per-node 4 train.py --config debug_2d
     --parallelism.cp 2 --parallelism.tp 2 --parallelism.dp_shard 1."""
@@ -132,6 +134,7 @@ def test_what_cp_cannot_split_is_refused_with_the_arithmetic(tmp_path):
     assert "pp*dp_replicate*dp_shard*cp*tp = 1*1*2*4*2 = 16" in message
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_128k_config_counts_the_closed_form_all_to_all_bytes():
     """llama3_8b_128k at 8 ranks (cp 4 x tp 2): each of 32 layers exchanges q, k, v and the
     output -- [1, 131072/4, heads/2, 128] bf16 for q and the output, kv heads/2 for k and
@@ -164,6 +167,7 @@ def _losses_printed(stdout: str) -> dict[int, float]:
     return {int(m[1]): float(m[2]) for m in re.finditer(r"step\s+(\d+) \| loss ([\d.]+)", stdout)}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
     """Checkpoints do not depend on cp (FSDP over dp_shard x cp, DCP reshards): cp 2 saves
     steps 2, 4, 6; one process resumes from step 2, and cp 2 again from that run's step 4;
@@ -208,6 +212,7 @@ def test_a_hugging_face_model_refuses_cp_naming_why(tmp_path):
     assert "cannot split the sequence" in message and "use cp = 1" in message
 
 
+@pytest.mark.slow
 def test_the_planner_tries_cp_for_long_sequences_only_and_writes_it(tmp_path):
     from meshtrain.physics.gpus import get_gpu
     from meshtrain.planning.plan import resolve_model

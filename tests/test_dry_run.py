@@ -20,7 +20,8 @@ def model_states(report) -> int:
     return between["parameters"] + between["gradients"] + between["optimizer state"]
 
 
-@pytest.mark.parametrize("world_size", [8, 32, 128])
+@pytest.mark.parametrize("world_size", [8, pytest.param(32, marks=pytest.mark.slow),
+                                        pytest.param(128, marks=pytest.mark.slow)])
 def test_fsdp_model_state_is_16_bytes_per_held_parameter(world_size):
     cfg = load_config("llama3_8b", ["--model.flavor=1B", "--training.seq_len=256", "--training.local_batch_size=1",
                                     f"--training.global_batch_size={world_size}",
@@ -31,6 +32,7 @@ def test_fsdp_model_state_is_16_bytes_per_held_parameter(world_size):
     assert model_states(report) == pytest.approx(16 * held, rel=0.02)
 
 
+@pytest.mark.slow
 def test_llama70b_2d_at_64_ranks_fits_an_h100_and_its_traffic_is_the_closed_form(capsys):
     report = dry_run(load_config("llama70b_2d"), 64, rank=9, gpu="h100-80gb")
     held, accum, dp = report["parameters"]["held"], 4, 8
@@ -49,6 +51,7 @@ def test_llama70b_2d_at_64_ranks_fits_an_h100_and_its_traffic_is_the_closed_form
     assert "planner's estimate of this layout" in out and "they agree on fits" in out
 
 
+@pytest.mark.slow
 def test_the_dry_run_of_the_planners_pick_agrees_on_fits(tmp_path, capsys):
     # The README's planning command, its pick written as a config, then dry-run: one rule
     # for "fits" (the same headroom) and the planner's estimate beside the traced peak.
@@ -67,6 +70,7 @@ def test_a_disagreement_on_fits_is_said():
     assert "does NOT fit: peak 75.0 GiB, 3.0 GiB over" in text and "+15% from it; they DISAGREE" in text
 
 
+@pytest.mark.slow
 def test_llama70b_2d_at_512_ranks():
     cfg = load_config("llama70b_2d", ["--training.global_batch_size=512"])
     report = dry_run(cfg, 512, rank=511)
@@ -74,6 +78,7 @@ def test_llama70b_2d_at_512_ranks():
     assert model_states(report) == pytest.approx(16 * report["parameters"]["held"], rel=0.02)
 
 
+@pytest.mark.slow
 def test_llama405b_3d_at_512_ranks_traces_both_stages_of_a_rank():
     report = dry_run(load_config("llama405b_3d"), 512, rank=100, gpu="h100-80gb")
     assert [i for i, _ in report["stages"]] == [1, 9]  # pp rank 1: looped placement
@@ -112,6 +117,7 @@ def test_gpt2_first_stage_pays_one_tp_collective_pair_per_embedding():
         assert count == 2 * (4 * 2 + 2)
 
 
+@pytest.mark.slow
 def test_a_config_that_cannot_fit_says_by_how_much_and_exits_1():
     proc = subprocess.run([sys.executable, "train.py", "--config", "llama3_8b", "--dry-run", "--world-size", "1",
                            "--gpu", "h100-80gb", "--training.seq_len=512", "--training.global_batch_size=1",
@@ -121,6 +127,7 @@ def test_a_config_that_cannot_fit_says_by_how_much_and_exits_1():
     assert "does NOT fit" in proc.stdout and "GiB over" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_fake_trace_counts_what_the_same_step_on_real_tensors_allocates():
     """The reference for the dry run's memory: the same rank's step on real CPU tensors
     (a fake process group, so no other rank is needed), tracked by the same tracker in
@@ -134,6 +141,7 @@ def test_the_fake_trace_counts_what_the_same_step_on_real_tensors_allocates():
     assert fake["memory"]["activations"] == pytest.approx(real["memory"]["activations"], rel=0.01)
 
 
+@pytest.mark.slow
 def test_gpt2_175b_full_ac_holds_the_block_inputs_korthikanti_counts():
     # Korthikanti et al. 2022, full recomputation: each block keeps only its input, 2sbh
     # bytes in bf16, / tp under sequence parallel. GPT-2's categories must show it as

@@ -189,6 +189,7 @@ def run_export(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_export_cli_from_dcp_checkpoint(tmp_path, capsys):
     model = random_llama()

@@ -51,6 +51,7 @@ def oracle_for(family: str, init: dict):
                       weight_decay=hf_models.WEIGHT_DECAY)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(hf_models.LAYOUTS))
 def test_hf_model_layout_matches_plain_pytorch(runs, layout):
     got = runs[layout]

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -70,6 +71,7 @@ print(full_bytes, largest, after - before)
 """
 
 
+@pytest.mark.slow
 def test_init_peak_host_memory_is_about_one_parameter_not_the_model():
     proc = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)

@@ -165,6 +165,7 @@ def test_fsdp_rounds_match_the_collectives_counted_under_a_pipeline(job70):
 
 # ---------------------------------------------------------------- the search
 
+@pytest.mark.slow
 def test_70b_on_64_h100_finds_fitting_layouts_that_train_py_accepts(job70, plan70):
     fitting, smallest, _ = plan70
     assert fitting and smallest is None
@@ -191,6 +192,7 @@ def test_70b_on_64_h100_finds_fitting_layouts_that_train_py_accepts(job70, plan7
     assert best_tp8.times["tp"] > best.times["tp"]
 
 
+@pytest.mark.slow
 def test_the_written_config_loads_and_passes_train_py_checks(job70, plan70, tmp_path):
     fitting = plan70[0]
     best = fitting[0]
@@ -209,6 +211,7 @@ def test_the_written_config_loads_and_passes_train_py_checks(job70, plan70, tmp_
         recipe.plan_layout(cfg, recipe.build_model(cfg, tokenizer_vocab=258), world_size=64)
 
 
+@pytest.mark.slow
 def test_another_family_is_planned_and_written_as_that_family(tmp_path):
     """GPT-3 175B through the registry: the written config names its family, so train.py
     builds that model (a bare flavor would be read as a Llama's), and passes its checks."""
@@ -228,6 +231,7 @@ def test_a_sequence_longer_than_learned_positions_is_refused_as_train_py_would(c
     assert "2048 learned positions" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_405b_on_one_node_does_not_fit_and_says_by_how_much(capsys):
     job = Job(resolve_model("405B"), H100, nodes=1, gpus_per_node=8, seq_len=8192, global_batch=64)
     fitting, smallest, _ = plan(job)
@@ -247,6 +251,7 @@ def _cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_prints_a_table_and_writes_a_loadable_config(tmp_path):
     out = tmp_path / "best.toml"
     proc = _cli("--model", "8B", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100",
@@ -273,12 +278,14 @@ def test_cli_errors_exit_2_without_a_traceback(args, message, capsys):
     assert err.startswith("meshtrain: error: ") and message in err
 
 
+@pytest.mark.slow
 def test_cli_error_from_a_subprocess():
     proc = _cli("--model", "8B", "--nodes", "0", "--seq-len", "8192", "--global-batch", "16")
     assert proc.returncode == 2
     assert proc.stderr.startswith("meshtrain: error: ") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_verify_dry_runs_the_top_layouts_and_reranks_by_traced_memory(capsys, monkeypatch):
     # The real dry run on a small model: each verified layout gets a traced peak.
     job = Job(resolve_model("1B"), H100, nodes=1, gpus_per_node=4, seq_len=1024, global_batch=4)

@@ -23,6 +23,7 @@ def args(out, name, *overrides):
             "--training.seq_len=64", f"--job.output_dir={out}", f"--job.name={name}", *overrides]
 
 
+@pytest.mark.slow
 def test_a_family_outside_models_trains_through_train_py_like_plain_pytorch(tmp_path):
     save = ("--checkpoint.enable=true", "--checkpoint.interval=1000", "--checkpoint.last_save_model_only=true")
     proc = torchrun("tests/workers/toy_train.py", *args(tmp_path, "toy", *save), nproc=4)

@@ -102,6 +102,7 @@ def test_every_checkpointing_mode_gives_bitwise_the_same_loss_and_gradients():
         assert other_ops[SDPA] == blocks, mode
 
 
+@pytest.mark.slow
 def test_checkpointing_lowers_the_activation_memory_kept_for_backward():
     x = tokens(batch=4, seq=128)
     kept = {}
@@ -144,6 +145,7 @@ def test_bf16_mixed_precision_computes_in_bf16_on_fp32_master_weights_with_an_fp
 
 # ---------------------------------------------------------------- torch.compile
 
+@pytest.mark.slow
 def test_compiled_blocks_with_op_checkpointing_and_compiled_loss_match_eager(one_rank_mesh):
     """The production order -- AC, then compile, then FSDP -- through `parallelize`, with
     the loss compiled too; fp32, so only fusion rounding may differ from eager."""
@@ -254,6 +256,7 @@ def test_options_that_can_run_pass_the_check():
 
 # ---------------------------------------------------------------- the benchmark
 
+@pytest.mark.slow
 def test_bench_cpu_mode_prints_both_variants_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "bench/throughput.py", "--device", "cpu", "--steps", "2",

@@ -21,6 +21,7 @@ def scalars(run_dir, tag):
     return [e.value for e in acc.Scalars(tag)]
 
 
+@pytest.mark.slow
 def test_debug_2d_trains_on_four_processes_and_writes_tensorboard(tmp_path):
     proc = torchrun("train.py", "--config", "debug_2d", "--training.steps", "20",
                     f"--job.output_dir={tmp_path}", nproc=4)
@@ -65,10 +66,12 @@ def reference(tmp_path_factory):
     return train_oracle.oracle_for(*_args(tmp_path_factory.mktemp("ref"), "ref"), with_unclipped=True)
 
 
+@pytest.mark.slow
 def test_clipping_binds_in_the_debug_config(reference):
     oracle.assert_clipping_binds(reference, "debug_2d")
 
 
+@pytest.mark.slow
 def test_one_process_dp2_tp2_hybrid_and_accumulation_train_like_plain_pytorch(tmp_path, reference):
     runs = {
         "single": _run(tmp_path, "single", 1, "--parallelism.dp_shard=1", "--parallelism.tp=1", *SAVE_LAST),
@@ -82,6 +85,7 @@ def test_one_process_dp2_tp2_hybrid_and_accumulation_train_like_plain_pytorch(tm
         train_oracle.assert_run_matches(run_dir, reference, name)
 
 
+@pytest.mark.slow
 def test_debug_3d_and_interleaved_pipeline_with_accumulation_train_like_plain_pytorch(tmp_path, reference):
     three_d = _run(tmp_path, "debug_3d", 8, *SAVE_LAST, config="debug_3d")  # pp 2 x dp_shard 2 x tp 2
     # 2 virtual stages per rank, 2 accumulation steps of 2 sequences, each cut in 2.
@@ -92,6 +96,7 @@ def test_debug_3d_and_interleaved_pipeline_with_accumulation_train_like_plain_py
         train_oracle.assert_run_matches(run_dir, reference, name)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_and_cpu_offload_change_no_number_and_bf16_stays_close(tmp_path, reference):
     # Recomputation and offloading move work and memory, not numbers.
     ac = _run(tmp_path, "ac", 4, "--activation_checkpoint.mode=full", "--parallelism.sharding_strategy=SHARD_GRAD_OP",
@@ -109,6 +114,7 @@ def test_activation_checkpointing_and_cpu_offload_change_no_number_and_bf16_stay
         assert (run - fp32).abs().max() > 1e-4  # bf16 compute really ran (fp32 layouts agree to ~1e-6)
 
 
+@pytest.mark.slow
 def test_gpt2_with_tied_embeddings_trains_in_3d_resumes_in_one_process_and_exports(tmp_path):
     # pp 2 x dp_shard 2 x tp 2: the tied weight is one DTensor under TP and a pair of
     # copies on the first and last stage, whose gradients are summed every step.
@@ -149,6 +155,7 @@ def _train_cli(*args):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--config", "debug_2d", "--parallelism.tensor_paralel", "2"], "Did you mean 'tp'"),
     (["--config", "debug_2d", "--training.steps", "ten"], "must be an integer"),
@@ -166,6 +173,7 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_bug_in_meshtrain_shows_its_traceback_and_is_not_called_bad_input(tmp_path):
     """Only meshtrain's own error types mean bad input (exit 2, one line). A ValueError from
     inside the code -- here planted in the loss -- is a bug: traceback, exit 1."""
@@ -181,6 +189,7 @@ def test_a_bug_in_meshtrain_shows_its_traceback_and_is_not_called_bad_input(tmp_
     assert "meshtrain: error" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_impossible_layout_stops_every_rank_before_the_process_group(tmp_path):
     proc = torchrun("train.py", "--config", "debug_2d", "--parallelism.tp=3", nproc=4, timeout=120)
     assert proc.returncode != 0
@@ -188,6 +197,7 @@ def test_impossible_layout_stops_every_rank_before_the_process_group(tmp_path):
     assert 'train.py", line' not in proc.stderr  # torchrun's own summary may follow; ours has no traceback
 
 
+@pytest.mark.slow
 def test_bad_pipeline_config_stops_every_rank_with_the_reason(tmp_path):
     proc = torchrun("train.py", "--config", "debug_2d", "--parallelism.pp=2", "--parallelism.tp=1",
                     "--parallelism.pp_microbatches=3", nproc=4, timeout=120)
@@ -196,6 +206,7 @@ def test_bad_pipeline_config_stops_every_rank_with_the_reason(tmp_path):
     assert 'train.py", line' not in proc.stderr
 
 
+@pytest.mark.slow
 def test_print_config_shows_merged_values():
     proc = _train_cli("--config", "debug_2d", "--parallelism.tp", "1", "--print-config")
     assert proc.returncode == 0
