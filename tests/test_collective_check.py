@@ -29,11 +29,19 @@ def test_every_shipped_config_is_listed():
     assert {p.stem for p in (ROOT / "configs").glob("*.toml")} == set(SHIPPED)
 
 
+# Every block of a model issues the same collectives, so a hang shows in a few blocks as
+# well as in all of them: the full-size configs are traced with fewer blocks (their
+# layout, world size and widths unchanged) -- the trace costs a block at a time. 405B
+# keeps an uneven split (18 blocks on its 16 stages, as 126 is) so stages differ in length.
+FEWER_BLOCKS = {"llama70b_2d": 4, "gpt2_175b": 4, "llama3_8b": 4, "llama3_8b_128k": 4, "llama405b_3d": 18}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_config_issues_matching_collectives_on_every_traced_rank(name):
     lines = []
-    problems = check_collectives(load_config(name), SHIPPED[name], say=lines.append)
+    overrides = [f"--model.n_layers={FEWER_BLOCKS[name]}"] if name in FEWER_BLOCKS else []
+    problems = check_collectives(load_config(name, overrides), SHIPPED[name], say=lines.append)
     assert problems == [], "\n".join(lines)
     assert not dist.is_initialized()
 
