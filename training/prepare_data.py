@@ -5,6 +5,8 @@
 
 Inputs are text files (one document each), .jsonl (one per line, its --text-key field)
 and .parquet (one per row, its --text-key column; needs pyarrow); folders are walked.
+`--kind sft` prepares instruction records for ``dataset = "sft"`` instead
+(training/sft_files.py, docs/finetuning.md).
 Workers tokenize units (training/prepare_units.py) in parallel; this process takes their
 results in input order and cuts the stream into shards of --shard-tokens, so the files
 are the same whatever --workers is. Each shard is written to a .tmp and renamed, then
@@ -77,15 +79,15 @@ class Progress:
               file=sys.stderr, flush=True)
 
 
-def _results(units, spec, text_key, dtype, workers):
-    """Each unit's tokenize_unit result, in order, from at most 2 x workers units in flight."""
+def _results(units, spec, text_key, dtype, workers, tokenize=tokenize_unit):
+    """Each unit's ``tokenize`` result, in order, from at most 2 x workers units in flight."""
     if workers <= 1:
-        yield from (tokenize_unit(u, spec, text_key, dtype) for u in units)
+        yield from (tokenize(u, spec, text_key, dtype) for u in units)
         return
     with Pool(workers) as pool:
         todo, pending = iter(units), deque()
         for unit in todo:
-            pending.append(pool.apply_async(tokenize_unit, (unit, spec, text_key, dtype, False)))
+            pending.append(pool.apply_async(tokenize, (unit, spec, text_key, dtype, False)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -206,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-key", default="text", help="the text field of jsonl / column of parquet")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     p.add_argument("--verify", metavar="DIR", help="check a prepared folder's shards byte for byte")
+    p.add_argument("--kind", choices=("text", "sft"), default="text",
+                   help="text: documents for dataset = \"tokens\"; sft: prompt/response or chat records for "
+                        "dataset = \"sft\" (docs/finetuning.md)")
+    p.add_argument("--chat-template", choices=("auto", "tokenizer", "plain"), default="auto",
+                   help="--kind sft: the template of \"messages\" records (as [training] chat_template)")
     args = p.parse_args(argv)
     try:
         if args.verify:
@@ -215,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error("give INPUT... and --out (or --verify DIR)")
         if args.shard_tokens < 1 or args.workers < 1:
             p.error("--shard-tokens and --workers must be at least 1")
+        if args.kind == "sft":
+            from meshtrain.training.sft_files import prepare_sft
+
+            index = prepare_sft(args.inputs, args.out, args.tokenizer, args.workers, args.chat_template)
+            print(f"{args.out}: {index['num_records']:,} records, {index['num_tokens']:,} tokens, "
+                  f"{index['num_trained_tokens']:,} of them trained on")
+            return 0
         index = prepare(args.inputs, args.out, args.tokenizer, args.workers, args.text_key, args.shard_tokens)
     except ConfigError as err:
         _say(f"prepare_data: error: {err}")

@@ -75,7 +75,7 @@ def plan_units(files: list[Path], text_key: str) -> list[Unit]:
                     start = end
         elif path.suffix == PARQUET:
             meta = _pyarrow_parquet(path).ParquetFile(path).metadata
-            if text_key not in meta.schema.names:
+            if text_key is not None and text_key not in meta.schema.names:  # None: the caller checks
                 raise ConfigError(f"{path}: no column '{text_key}' (columns: {', '.join(meta.schema.names)}); "
                                   f"name the text column with --text-key")
             row = 0
