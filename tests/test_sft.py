@@ -229,8 +229,8 @@ def test_the_step_loss_is_transformers_mean_over_the_response_tokens_of_the_batc
     train_step's loss and gradients equal one forward of transformers' LlamaForCausalLM
     over the whole batch with labels -100 on prompts and padding. The mean of the
     micro-batches' own means (what step.py did before) is a different number.
-    Plant (by hand): training/step.py's token_loss_scale returning 1 / count of the
-    micro-batch being summed, instead of the global count -- this test fails."""
+    Plant (by hand): train_step's loss back to cross_entropy(model(inputs), labels) /
+    len(micro_batches), the mean per micro-batch -- this test fails."""
     from meshtrain.training.step import train_step
 
     rows = records(40, seed=3)
