@@ -81,9 +81,12 @@ def jsonl_records(text: str, path: str, lines_before=lambda: 0) -> Iterator[tupl
 def parquet_records(path: str, row_group: int | None = None, first_row: int = 0) -> Iterator[tuple[str, dict]]:
     """(where, record) for each row of a .parquet file (or of one of its row groups);
     ``where`` is "FILE: row N" (from 0). Columns: prompt and response, or messages."""
-    from meshtrain.training.prepare_units import _pyarrow_parquet
-
-    file = _pyarrow_parquet(path).ParquetFile(path)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{path}: reading parquet needs pyarrow: pip install pyarrow "
+                          f"(or pip install meshtrain[data])") from None
+    file = pq.ParquetFile(path)
     table = file.read() if row_group is None else file.read_row_group(row_group)
     for i, row in enumerate(table.to_pylist()):
         yield f"{path}: row {first_row + i}", row
@@ -128,6 +131,20 @@ def encode(pieces_: list[tuple[str, bool]], tok) -> tuple[np.ndarray, np.ndarray
     if len(mask):
         mask[0] = 0
     return ids, mask
+
+
+def encode_records(records, tok, template: str, tokenizer: str, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, mask, lengths) of (where, record) pairs: every record's tokens end to end
+    in ``dtype``, their loss mask (uint8) beside them, and each record's length."""
+    ids, masks = [], []
+    for where, record in records:
+        i, m = encode(pieces(record, where, template, tokenizer), tok)
+        ids.append(i)
+        masks.append(m)
+    lengths = np.array([len(i) for i in ids], dtype=np.int64)
+    tokens = np.concatenate(ids).astype(dtype) if ids else np.empty(0, dtype)
+    mask = np.concatenate(masks) if masks else np.empty(0, np.uint8)
+    return tokens, mask, lengths
 
 
 def pack(lengths: np.ndarray, capacity: int) -> np.ndarray:

@@ -3,9 +3,10 @@
 Records (training/sft.py) become three arrays: every record's tokens end to end, a loss
 mask beside them (one byte per token), and each record's start offset. From a .jsonl /
 .parquet file or folder they are built at start-up, in memory. `meshtrain prepare-data
---kind sft` writes them once into a folder instead -- tokens.bin, mask.bin, offsets.bin
-and index.json -- which every rank memory-maps: no rank tokenizes or holds the set, and
-a batch reads only its own records, as with `dataset = "tokens"`.
+--kind sft` (training/prepare_data.py) writes them once into a folder instead --
+tokens.bin, mask.bin, offsets.bin and index.json -- which every rank memory-maps: no rank
+tokenizes or holds the set, and a batch reads only its own records, as with
+`dataset = "tokens"`.
 
 The loader packs records into sequences at start-up (one pass over the offsets, 8 bytes
 a record) and shuffles sequences with the computed permutation of training/shuffle.py, so
@@ -27,49 +28,11 @@ import torch
 
 from meshtrain.training import chat_template, sft
 from meshtrain.training.config import ConfigError
-from meshtrain.training.prepare_units import Unit, plan_units
 from meshtrain.training.token_files import TokenFileLoader, token_dtype
 
 FORMAT, VERSION = "meshtrain-sft", 1
 INDEX = "index.json"
 FILES = {"tokens": "tokens.bin", "mask": "mask.bin", "offsets": "offsets.bin"}
-
-
-def tokenize_records(unit: Unit, tokenizer: str, template: str, dtype: str, threads: bool = True):
-    """(tokens, mask, lengths) of one unit's records: a chunk of a .jsonl file, or a row
-    group of a .parquet file (training/prepare_units.py)."""
-    from meshtrain.training.data import build_tokenizer
-
-    if not threads:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    if unit.kind == "parquet":
-        records = sft.parquet_records(unit.path, unit.start, unit.end)
-    elif unit.kind == "jsonl":
-        with open(unit.path, "rb") as f:
-            f.seek(unit.start)
-            text = f.read(unit.end - unit.start).decode("utf-8", "replace")
-
-        def lines_before() -> int:
-            with open(unit.path, "rb") as f:
-                return f.read(unit.start).count(b"\n")
-        records = sft.jsonl_records(text, unit.path, lines_before)
-    else:
-        raise ConfigError(f'{unit.path}: [training] dataset = "sft" reads .jsonl and .parquet records, not text files')
-    tok = build_tokenizer(tokenizer)
-    ids, masks = [], []
-    for where, record in records:
-        i, m = sft.encode(sft.pieces(record, where, template, tokenizer), tok)
-        ids.append(i)
-        masks.append(m)
-    lengths = np.array([len(i) for i in ids], dtype=np.int64)
-    tokens = np.concatenate(ids).astype(dtype) if ids else np.empty(0, dtype)
-    mask = np.concatenate(masks) if masks else np.empty(0, np.uint8)
-    return tokens, mask, lengths
-
-
-def _units(inputs: list[str]) -> list[Unit]:
-    files = [f for path in inputs for f in sft.record_files(path)]
-    return plan_units(files, None)
 
 
 class SFTRecords:
@@ -86,14 +49,16 @@ class SFTRecords:
         return len(self.offsets) - 1
 
     @classmethod
-    def from_records(cls, path: str, tokenizer: str, template_choice: str) -> "SFTRecords":
-        """The records of a .jsonl / .parquet file or folder, tokenized here (start-up)."""
-        from meshtrain.training.data import build_tokenizer
-
-        tok = build_tokenizer(tokenizer)
+    def from_records(cls, path: str, tok, tokenizer: str, template_choice: str) -> "SFTRecords":
+        """The records of a .jsonl / .parquet file or folder, tokenized here (start-up) with
+        ``tok``, the tokenizer ``tokenizer`` names."""
         template = chat_template.resolve(template_choice, tokenizer)
         dtype = token_dtype(tok.vocab_size)
-        parts = [tokenize_records(u, tokenizer, template, dtype) for u in _units([path])]
+        parts = []
+        for file in sft.record_files(path):
+            records = (sft.parquet_records(str(file)) if file.suffix == ".parquet" else
+                       sft.jsonl_records(file.read_text(encoding="utf-8", errors="replace"), str(file)))
+            parts.append(sft.encode_records(records, tok, template, tokenizer, dtype))
         if not sum(len(p[2]) for p in parts):
             raise ConfigError(f'[training] dataset = "sft": no records in "{path}"')
         tokens = np.concatenate([p[0] for p in parts])
@@ -119,7 +84,7 @@ class SFTRecords:
         if not ok:
             raise ConfigError(f"{where}: {path} is not a {FORMAT} version {VERSION} index; prepare it with "
                               f"`meshtrain prepare-data --kind sft`")
-        if _checksum(index) != index["checksum"]:
+        if index_checksum(index) != index["checksum"]:
             raise ConfigError(f"{where}: {path} is inconsistent; prepare the folder again")
         arrays = {}
         for key, (want_dtype, count) in {"tokens": (dtype, t), "mask": (np.dtype(np.uint8), t),
@@ -145,46 +110,9 @@ def _map(path: Path, dtype) -> np.ndarray:
     return np.frombuffer(mm, dtype=dtype)
 
 
-def _checksum(index: dict) -> str:
+def index_checksum(index: dict) -> str:
     body = {k: v for k, v in index.items() if k != "checksum"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def prepare_sft(inputs: list[str], out: str, tokenizer: str = "byte", workers: int = 1,
-                template_choice: str = "auto") -> dict:
-    """Tokenize the records of ``inputs`` into ``out`` (tokens.bin, mask.bin, offsets.bin,
-    then index.json); returns the index. Each unit's arrays are appended as they come."""
-    from meshtrain.training.data import build_tokenizer
-    from meshtrain.training.prepare_data import _results, _sha256, _write_json
-
-    tok = build_tokenizer(tokenizer)
-    template = chat_template.resolve(template_choice, tokenizer)
-    dtype = token_dtype(tok.vocab_size)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / INDEX).unlink(missing_ok=True)  # a folder without its index is not a dataset
-    tmp = {key: out_dir / (name + ".tmp") for key, name in FILES.items()}
-    handles = {key: open(path, "wb") for key, path in tmp.items()}
-    records = trained = total = 0
-    try:
-        np.zeros(1, np.int64).tofile(handles["offsets"])
-        for tokens, mask, lengths in _results(_units(inputs), tokenizer, template, dtype, workers, tokenize_records):
-            tokens.tofile(handles["tokens"])
-            mask.tofile(handles["mask"])
-            (total + np.cumsum(lengths)).astype(np.int64).tofile(handles["offsets"])
-            records, trained, total = records + len(lengths), trained + int(mask.sum()), total + len(tokens)
-    finally:
-        for h in handles.values():
-            h.close()
-    for key, path in tmp.items():
-        os.replace(path, out_dir / FILES[key])
-    index = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
-             "pad_id": tok.eos_id, "dtype": dtype, "chat_template": template, "num_records": records,
-             "num_tokens": total, "num_trained_tokens": trained,
-             "files": {name: _sha256(out_dir / name) for name in FILES.values()}}
-    index["checksum"] = _checksum(index)
-    _write_json(out_dir / INDEX, index)
-    return index
 
 
 class SFTLoader(TokenFileLoader):
@@ -238,7 +166,7 @@ def build_sft_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int) 
                               f"({records.vocab_size} tokens), more than [training] tokenizer = "
                               f'"{cfg.tokenizer}" has ({tokenizer.vocab_size}); use the tokenizer it was prepared with')
     else:
-        records = SFTRecords.from_records(path, cfg.tokenizer, getattr(cfg, "chat_template", "auto"))
+        records = SFTRecords.from_records(path, tokenizer, cfg.tokenizer, getattr(cfg, "chat_template", "auto"))
     if getattr(cfg, "document_masking", False) and int(os.environ.get("RANK", 0)) == 0:
         warnings.warn('[training] document_masking = true is not implemented yet: records packed into one sequence '
                       "still attend to the records before them (the loss is only on each record's own response "

@@ -142,8 +142,8 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
     The schedule's loss function is `pipeline_loss_fn`'s: this function gives it the
     step's global token count before the schedule runs. (Another loss function is used as
     it is, and must itself be scaled for the whole step.) ``tied``: weights tied across
-    stages (`parallel.tied`), whose copies' gradients are summed before clipping. Returns the same values as `train_step`
-    on every rank."""
+    stages (`parallel.tied`), whose copies' gradients are summed before clipping. Returns
+    the same values as `train_step` on every rank."""
     device = device or _device_of(model_parts[0])
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
