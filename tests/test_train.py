@@ -179,7 +179,7 @@ def test_a_bug_in_meshtrain_shows_its_traceback_and_is_not_called_bad_input(tmp_
     inside the code -- here planted in the loss -- is a bug: traceback, exit 1."""
     code = ("import sys\nfrom meshtrain import train\nimport meshtrain.training.step as s\n"
             "def broken(*a, **k):\n    raise ValueError('planted bug')\n"
-            "s.cross_entropy = broken\n"
+            "s.summed_cross_entropy = broken\n"
             "sys.exit(train.run(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "--config", "debug_2d", "--parallelism.dp_shard=1",
                            "--parallelism.tp=1", "--training.steps=1", f"--job.output_dir={tmp_path}"],

@@ -97,10 +97,22 @@ class TrainingSection:
                     max=2**64 - 1)  # what torch.manual_seed accepts
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables clipping", min=0)
     dataset: str = opt("stdlib", "corpus: stdlib (Python's own sources), text (dataset_path, "
-                       "tokenized at start-up) or tokens (dataset_path prepared by meshtrain "
-                       "prepare-data, memory-mapped; see docs/data.md)",
-                       choices=("stdlib", "text", "tokens"))
-    dataset_path: str = opt("", "file or folder for the text dataset; the prepared folder for tokens")
+                       "tokenized at start-up), tokens (dataset_path prepared by meshtrain "
+                       "prepare-data, memory-mapped; see docs/data.md) or sft (prompt/response or "
+                       "chat records, loss on the responses only; see docs/finetuning.md)",
+                       choices=("stdlib", "text", "tokens", "sft"))
+    dataset_path: str = opt("", "file or folder for the text dataset; the prepared folder for tokens; for "
+                            "sft a .jsonl/.parquet file, a folder of them, or a folder prepared by "
+                            "meshtrain prepare-data --kind sft")
+    chat_template: str = opt("auto", 'sft "messages" records: tokenizer (the chat template of the '
+                             "tokenizer's folder, rendered by transformers), plain (meshtrain's, "
+                             "docs/finetuning.md) or auto (the tokenizer's when it has one, else plain)",
+                             choices=("auto", "tokenizer", "plain"))
+    document_masking: bool = opt(True, "attention stays inside each document; resolved per dataset: "
+                                 "applies to sft, whose records are packed several to a sequence, and is "
+                                 "ignored by stdlib/text/tokens (windows of one stream). Not implemented "
+                                 "yet: packed sft records still see the records before them (a warning "
+                                 "says so); the loss is on each record's own response either way")
     tokenizer: str = opt("byte", "byte, or the path of a Hugging Face tokenizer.json")
     mixed_precision_param: str = opt("float32", "dtype of parameters in forward/backward", choices=DTYPES)
     mixed_precision_reduce: str = opt("float32", "dtype of the gradient reduction", choices=DTYPES)

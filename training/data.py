@@ -23,6 +23,7 @@ import torch
 
 from meshtrain.training.config import ConfigError
 from meshtrain.training.loader import DataLoader
+from meshtrain.training.sft_files import build_sft_loader
 from meshtrain.training.token_files import build_token_loader
 
 
@@ -231,6 +232,8 @@ def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int):
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.dataset == "tokens":  # prepared files, memory-mapped: nothing is tokenized here
         return build_token_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size), tokenizer
+    if cfg.dataset == "sft":  # records packed into sequences, labels -100 but on the responses
+        return build_sft_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size), tokenizer
     tokens = load_tokens(cfg.dataset, cfg.dataset_path, cfg.tokenizer, getattr(cfg, "max_tokens", None))
     loader = DataLoader(tokens, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
                         local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)

@@ -37,16 +37,21 @@ class DataLoader:
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.local_batch_size, self.dp_rank, self.dp_size = local_batch_size, dp_rank, dp_size
         self.seed = seed
-        self.num_windows = len(self.tokens) // (seq_len + 1)  # the tail that doesn't fit is dropped
+        self.num_windows = self._count_windows()
         if self.num_windows < global_batch_size:
-            raise ConfigError(
-                f"corpus too small: {len(self.tokens)} tokens make {self.num_windows} windows "
-                f"of seq_len + 1 = {seq_len + 1}, fewer than one global batch of {global_batch_size}")
+            raise ConfigError(f"corpus too small: {self._size_words()}, fewer than one global batch of "
+                              f"{global_batch_size}")
         self.position = 0  # the next step to read
         self._orders: dict[int, torch.Tensor] = {}
 
     # The in-memory token stream; training/token_files.py's loader keeps its files instead.
     _as_tokens = staticmethod(torch.as_tensor)
+
+    def _count_windows(self) -> int:
+        return len(self.tokens) // (self.seq_len + 1)  # the tail that doesn't fit is dropped
+
+    def _size_words(self) -> str:
+        return f"{len(self.tokens)} tokens make {self.num_windows} windows of seq_len + 1 = {self.seq_len + 1}"
 
     @property
     def grad_accum_steps(self) -> int:

@@ -5,6 +5,8 @@
 
 Inputs are text files (one document each), .jsonl (one per line, its --text-key field)
 and .parquet (one per row, its --text-key column; needs pyarrow); folders are walked.
+`--kind sft` prepares instruction records for ``dataset = "sft"`` instead
+(training/sft_files.py, docs/finetuning.md).
 Workers tokenize units (training/prepare_units.py) in parallel; this process takes their
 results in input order and cuts the stream into shards of --shard-tokens, so the files
 are the same whatever --workers is. Each shard is written to a .tmp and renamed, then
@@ -27,9 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from meshtrain.training import chat_template, sft, sft_files
 from meshtrain.training.config import ConfigError
 from meshtrain.training.data import HFTokenizer, build_tokenizer
-from meshtrain.training.prepare_units import check_decodable, input_files, plan_units, tokenize_unit
+from meshtrain.training.prepare_units import (check_decodable, input_files, plan_units, tokenize_sft_unit,
+                                              tokenize_unit)
 from meshtrain.training.token_files import FORMAT, INDEX, VERSION, TokenFiles, index_checksum, token_dtype
 
 PROGRESS = "prepare.json"  # the index in progress: the plan, and the shards done so far
@@ -77,15 +81,17 @@ class Progress:
               file=sys.stderr, flush=True)
 
 
-def _results(units, spec, text_key, dtype, workers):
-    """Each unit's tokenize_unit result, in order, from at most 2 x workers units in flight."""
+def _results(units, spec, text_key, dtype, workers, tokenize=None):
+    """Each unit's ``tokenize`` (default tokenize_unit) result, in order, from at most
+    2 x workers units in flight."""
+    tokenize = tokenize or tokenize_unit
     if workers <= 1:
-        yield from (tokenize_unit(u, spec, text_key, dtype) for u in units)
+        yield from (tokenize(u, spec, text_key, dtype) for u in units)
         return
     with Pool(workers) as pool:
         todo, pending = iter(units), deque()
         for unit in todo:
-            pending.append(pool.apply_async(tokenize_unit, (unit, spec, text_key, dtype, False)))
+            pending.append(pool.apply_async(tokenize, (unit, spec, text_key, dtype, False)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -167,6 +173,42 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", workers: int =
     return index
 
 
+def prepare_sft(inputs: list[str], out: str, tokenizer: str = "byte", workers: int = 1,
+                template_choice: str = "auto") -> dict:
+    """`--kind sft`: tokenize the instruction records of ``inputs`` into ``out`` (the files
+    training/sft_files.py maps: tokens.bin, mask.bin, offsets.bin, then index.json); returns
+    the index. Each unit's arrays are appended as they come, in input order; no resume."""
+    tok = build_tokenizer(tokenizer)
+    template = chat_template.resolve(template_choice, tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / sft_files.INDEX).unlink(missing_ok=True)  # a folder without its index is not a dataset
+    tmp = {key: out_dir / (name + ".tmp") for key, name in sft_files.FILES.items()}
+    handles = {key: open(path, "wb") for key, path in tmp.items()}
+    records = trained = total = 0
+    try:
+        np.zeros(1, np.int64).tofile(handles["offsets"])
+        units = plan_units([f for path in inputs for f in sft.record_files(path)], None)
+        for tokens, mask, lengths in _results(units, tokenizer, template, dtype, workers, tokenize_sft_unit):
+            tokens.tofile(handles["tokens"])
+            mask.tofile(handles["mask"])
+            (total + np.cumsum(lengths)).astype(np.int64).tofile(handles["offsets"])
+            records, trained, total = records + len(lengths), trained + int(mask.sum()), total + len(tokens)
+    finally:
+        for h in handles.values():
+            h.close()
+    for key, path in tmp.items():
+        os.replace(path, out_dir / sft_files.FILES[key])
+    index = {"format": sft_files.FORMAT, "version": sft_files.VERSION, "tokenizer": tokenizer,
+             "vocab_size": tok.vocab_size, "pad_id": tok.eos_id, "dtype": dtype, "chat_template": template,
+             "num_records": records, "num_tokens": total, "num_trained_tokens": trained,
+             "files": {name: _sha256(out_dir / name) for name in sft_files.FILES.values()}}
+    index["checksum"] = sft_files.index_checksum(index)
+    _write_json(out_dir / sft_files.INDEX, index)
+    return index
+
+
 def _kept_shards(out_dir: Path, plan_id: str) -> list[dict]:
     """The shards of an earlier run of the same plan that are still intact, in order up to
     the first one that is not. A different plan starts over."""
@@ -206,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-key", default="text", help="the text field of jsonl / column of parquet")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     p.add_argument("--verify", metavar="DIR", help="check a prepared folder's shards byte for byte")
+    p.add_argument("--kind", choices=("text", "sft"), default="text",
+                   help="text: documents for dataset = \"tokens\"; sft: prompt/response or chat records for "
+                        "dataset = \"sft\" (docs/finetuning.md)")
+    p.add_argument("--chat-template", choices=("auto", "tokenizer", "plain"), default="auto",
+                   help="--kind sft: the template of \"messages\" records (as [training] chat_template)")
     args = p.parse_args(argv)
     try:
         if args.verify:
@@ -215,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("give INPUT... and --out (or --verify DIR)")
         if args.shard_tokens < 1 or args.workers < 1:
             p.error("--shard-tokens and --workers must be at least 1")
+        if args.kind == "sft":
+            index = prepare_sft(args.inputs, args.out, args.tokenizer, args.workers, args.chat_template)
+            print(f"{args.out}: {index['num_records']:,} records, {index['num_tokens']:,} tokens, "
+                  f"{index['num_trained_tokens']:,} of them trained on")
+            return 0
         index = prepare(args.inputs, args.out, args.tokenizer, args.workers, args.text_key, args.shard_tokens)
     except ConfigError as err:
         _say(f"prepare_data: error: {err}")

@@ -6,7 +6,8 @@ about CHUNK_BYTES of a .jsonl file cut at a line break (one document per line), 
 group of a .parquet file (one document per row). The units of a corpus depend only on
 the input files, never on the number of workers, so neither does the output.
 
-A unit's output is its documents' tokens, each document preceded by EOS. The writer drops
+A unit's output is its documents' tokens, each document preceded by EOS (`--kind sft`:
+its records' tokens, loss mask and lengths, `tokenize_sft_unit`). The writer drops
 the very first token of the whole stream, which leaves documents joined by EOS exactly as
 ``training.data.load_tokens`` joins them.
 """
@@ -19,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from meshtrain.training import sft
 from meshtrain.training.config import ConfigError
 from meshtrain.training.data import (MAX_UNDECODABLE, TEXT_SUFFIXES, HFTokenizer, JsonlError, _sorted_files, build_tokenizer,
                            decode_utf8, jsonl_documents)
@@ -75,7 +77,7 @@ def plan_units(files: list[Path], text_key: str) -> list[Unit]:
                     start = end
         elif path.suffix == PARQUET:
             meta = _pyarrow_parquet(path).ParquetFile(path).metadata
-            if text_key not in meta.schema.names:
+            if text_key is not None and text_key not in meta.schema.names:  # None: the caller checks
                 raise ConfigError(f"{path}: no column '{text_key}' (columns: {', '.join(meta.schema.names)}); "
                                   f"name the text column with --text-key")
             row = 0
@@ -135,6 +137,27 @@ def tokenize_unit(unit: Unit, spec: str, text_key: str, dtype: str, threads: boo
         out[at + 1:at + 1 + len(doc)] = doc
         at += 1 + len(doc)
     return out, len(docs), bad, chars
+
+
+def tokenize_sft_unit(unit: Unit, spec: str, template: str, dtype: str, threads: bool = True):
+    """(tokens, mask, lengths) of one unit's instruction records (training/sft.py): a chunk
+    of a .jsonl file, or a row group of a .parquet file."""
+    if not threads:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if unit.kind == "parquet":
+        records = sft.parquet_records(unit.path, unit.start, unit.end)
+    elif unit.kind == "jsonl":
+        with open(unit.path, "rb") as f:
+            f.seek(unit.start)
+            text = f.read(unit.end - unit.start).decode("utf-8", "replace")
+
+        def lines_before() -> int:  # only for a message: the lines of the file before this chunk
+            with open(unit.path, "rb") as f:
+                return f.read(unit.start).count(b"\n")
+        records = sft.jsonl_records(text, unit.path, lines_before)
+    else:
+        raise ConfigError(f"{unit.path}: --kind sft reads .jsonl and .parquet records, not text files")
+    return sft.encode_records(records, build_tokenizer(spec), template, spec, dtype)
 
 
 def check_decodable(path: str, bad: int, chars: int) -> str | None:

@@ -187,6 +187,14 @@ def _check_inputs(cfg: JobConfig) -> None:
     if t.dataset == "text" and not (t.dataset_path and os.path.exists(t.dataset_path)):
         raise ConfigError(f'[training] dataset = "text" needs dataset_path = a file or folder of text; '
                           f'"{t.dataset_path}" does not exist')
+    if t.dataset == "sft" and not (t.dataset_path and os.path.exists(t.dataset_path)):
+        raise ConfigError(f'[training] dataset = "sft" needs dataset_path = a .jsonl/.parquet file, a folder of '
+                          f'them, or a folder prepared by `meshtrain prepare-data --kind sft`; '
+                          f'"{t.dataset_path}" does not exist')
+    if t.dataset == "sft" and t.chat_template == "tokenizer":  # a template the tokenizer lacks: now
+        from meshtrain.training.chat_template import resolve
+
+        resolve(t.chat_template, t.tokenizer)
     if t.dataset == "tokens" and not os.path.isfile(os.path.join(t.dataset_path, "index.json")):
         raise ConfigError(f'[training] dataset = "tokens" needs dataset_path = a folder prepared by '
                           f'`meshtrain prepare-data`; no index.json in "{t.dataset_path}"')

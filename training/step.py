@@ -1,11 +1,23 @@
 """One optimizer step: forward/backward over the micro-batches, clip, update.
 
-The loss is the mean cross-entropy over every token of the global batch. Each
-data-parallel rank averages over its own tokens and divides by the number of
-micro-batches; FSDP then averages gradients over the data-parallel ranks. Every rank
-sees the same number of tokens, so this equals the single-process mean exactly. Under
-context parallelism each cp rank takes its own piece of every sequence (inputs and
-labels alike) and FSDP averages over the cp ranks too: the same mean, again.
+The loss is the mean cross-entropy over the counted tokens of the whole global batch:
+every label except IGNORE_INDEX (-100, the prompt and padding of a fine-tuning
+sequence; pretraining has none, so there every token counts). One number, whatever the
+layout, the micro-batching or the gradient accumulation:
+
+    loss = sum of per-token losses over the global batch / tokens counted in it
+
+A mean per micro-batch, divided by the number of micro-batches (what this file did
+before, and transformers' Trainer until 2024), is that only when every micro-batch
+counts as many tokens: with -100 labels a micro-batch of short responses would weigh as
+much as one of long ones. So, before any backward, each rank counts its labels and the
+count is summed over the data-parallel (and context-parallel) ranks -- one scalar
+all-reduce. Each micro-batch then backpropagates its summed token losses divided by that
+global count. FSDP averages gradients over the dp x cp ranks it shards over (it divides
+their sum by dp * cp), so each rank multiplies its loss by dp * cp first: the sum of the
+ranks' gradients is what reaches the weights, i.e. the gradient of the global mean.
+Under context parallelism each cp rank takes its own piece of every sequence (inputs and
+labels alike) and counts the labels of its piece.
 """
 
 from __future__ import annotations
@@ -23,17 +35,21 @@ from meshtrain.parallel.context_parallel import SequenceSplit, split_sequence
 from meshtrain.training.faults import step_phase
 
 
-def _cross_entropy_fp32(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+IGNORE_INDEX = -100  # a label not trained on (F.cross_entropy's default, and transformers')
+
+
+def _cross_entropy_fp32(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     # fp32 for the softmax whatever the compute dtype: bf16 log-sum-exp over 128K
     # classes loses the small probabilities the gradient is made of.
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction=reduction,
+                           ignore_index=IGNORE_INDEX)
 
 
 _loss_impl = _cross_entropy_fp32
 
 
 def compile_loss(enable: bool = True) -> None:
-    """Route `cross_entropy` -- so every train step and pipeline loss -- through
+    """Route the cross-entropy -- so every train step and pipeline loss -- through
     torch.compile ([compile] loss): eager writes an fp32 copy of the [tokens, vocab]
     logits before the softmax; compiled, the upcast is fused into the softmax kernel.
     Process-wide, like torch.compile's own settings."""
@@ -57,8 +73,31 @@ def logits_of(output) -> torch.Tensor:
 
 
 def cross_entropy(output, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the model's ``output`` (see `logits_of`) against ``labels``."""
+    """Mean cross-entropy of the model's ``output`` (see `logits_of`) against ``labels``,
+    over the labels that are not IGNORE_INDEX."""
     return _loss_impl(logits_of(output), labels)
+
+
+def summed_cross_entropy(output, labels: torch.Tensor) -> torch.Tensor:
+    """The per-token cross-entropies of ``output`` against ``labels``, summed (IGNORE_INDEX
+    labels add nothing); a step divides by the global count (`token_loss_scale`)."""
+    return _loss_impl(logits_of(output), labels, "sum")
+
+
+def token_loss_scale(labels: list[torch.Tensor], dp_mesh: DeviceMesh | None = None,
+                     cp_mesh: DeviceMesh | None = None) -> float:
+    """The factor that turns one micro-batch's summed token losses into its part of the
+    loss to backpropagate: (dp * cp ranks FSDP averages over) / (tokens counted in the whole
+    global batch). ``labels``: this rank's labels for the step (its cp piece under context
+    parallelism). The count is one all-reduced scalar, read once per step. A global batch
+    that counts no token at all (every label -100) gives a loss and gradients of zero."""
+    count = sum((y != IGNORE_INDEX).sum() for y in labels) if labels else torch.zeros((), dtype=torch.int64)
+    ranks = 1
+    for mesh in (dp_mesh, cp_mesh):
+        if mesh is not None:
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=mesh.get_group())
+            ranks *= mesh.size()
+    return ranks / max(int(count.item()), 1)
 
 
 def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
@@ -77,11 +116,14 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     split = SequenceSplit(cp_mesh) if cp_mesh is not None else None
+    batches = [(split_sequence(inputs, split).to(device), split_sequence(labels, split).to(device))
+               for inputs, labels in micro_batches]
+    with step_phase(step, "token count"):
+        scale = token_loss_scale([labels for _, labels in batches], dp_mesh, cp_mesh)
     with step_phase(step, "forward/backward"):
-        for inputs, labels in micro_batches:
-            inputs, labels = split_sequence(inputs, split).to(device), split_sequence(labels, split).to(device)
+        for inputs, labels in batches:
             with loss_parallel_context(loss_parallel):
-                loss = cross_entropy(model(inputs), labels) / len(micro_batches)
+                loss = summed_cross_entropy(model(inputs), labels) * scale
                 loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     return _finish_step(list(model.parameters()), optimizer, total, max_norm, dp_mesh, None, step,
@@ -97,14 +139,22 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
     over each micro-batch, cut again into the schedule's own micro-batches. ``first`` /
     ``last``: this rank holds the first / last stage (feeds tokens / computes the loss).
 
-    The schedule's loss function must divide by every micro-batch of the step (see
-    `pipeline_loss_fn`). ``tied``: weights tied across stages (`parallel.tied`), whose
-    copies' gradients are summed before clipping. Returns the same values as `train_step`
-    on every rank."""
+    The schedule's loss function is `pipeline_loss_fn`'s: this function gives it the
+    step's global token count before the schedule runs. (Another loss function is used as
+    it is, and must itself be scaled for the whole step.) ``tied``: weights tied across
+    stages (`parallel.tied`), whose copies' gradients are summed before clipping. Returns
+    the same values as `train_step` on every rank."""
     device = device or _device_of(model_parts[0])
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     split = SequenceSplit(cp_mesh) if cp_mesh is not None else None  # stages pass on seq / cp tokens
+    loss_fn = getattr(schedule, "_loss_fn", None)  # torch keeps the schedule's loss_fn there
+    if isinstance(loss_fn, TokenMeanLoss):
+        # Every stage holds the labels (the loader gives each rank its batch), so every rank
+        # takes part in the count's all-reduce over dp and cp; only the last stage uses it.
+        with step_phase(step, "token count"):
+            labels = [split_sequence(y, split).to(device) for _, y in micro_batches]  # NCCL reduces device tensors
+            loss_fn.scale = token_loss_scale(labels, dp_mesh, cp_mesh)
     with step_phase(step, "pipeline forward/backward"):
         for inputs, labels in micro_batches:
             args = (split_sequence(inputs, split).to(device),) if first else ()
@@ -137,19 +187,34 @@ def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, ski
         # loss exists on the last stage; the sum over pp shares it with every rank.
         if pp_mesh is not None:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
-        for mesh in (dp_mesh, cp_mesh):  # each rank's mean over its own tokens; all hold as many
+        for mesh in (dp_mesh, cp_mesh):  # each rank's loss is dp * cp times its share: the mean
             if mesh is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
     return total.item(), grad_norm.item()
 
 
-def pipeline_loss_fn(micro_batches_per_step: int):
-    """Cross-entropy for one schedule micro-batch, scaled so the step's losses (and so
-    the gradients) add up to the mean over all of them. The last stage may return the
-    logits in any form `logits_of` accepts."""
-    def loss_fn(output, labels):
-        return cross_entropy(output, labels) / micro_batches_per_step
-    return loss_fn
+class TokenMeanLoss:
+    """A pipeline schedule's loss_fn: one schedule micro-batch's summed token losses times
+    ``scale``, which `pipeline_train_step` sets each step from the global token count
+    (`token_loss_scale`), so the step's losses and gradients add up to the mean over the
+    global batch's counted tokens, as in `train_step`. Until a step sets it (called on its
+    own), it is the micro-batch's mean divided by ``micro_batches_per_step``. The last
+    stage may return the logits in any form `logits_of` accepts."""
+
+    def __init__(self, micro_batches_per_step: int):
+        self.micro_batches_per_step = micro_batches_per_step
+        self.scale: float | None = None
+
+    def __call__(self, output, labels):
+        if self.scale is None:
+            return cross_entropy(output, labels) / self.micro_batches_per_step
+        return summed_cross_entropy(output, labels) * self.scale
+
+
+def pipeline_loss_fn(micro_batches_per_step: int) -> TokenMeanLoss:
+    """The loss_fn for `build_schedule`: see `TokenMeanLoss`. ``micro_batches_per_step``
+    (schedule micro-batches x gradient accumulation) only matters outside `pipeline_train_step`."""
+    return TokenMeanLoss(micro_batches_per_step)
 
 
 def _device_of(model) -> torch.device:

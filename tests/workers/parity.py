@@ -197,8 +197,8 @@ def injected(fault: str | None, dims: dict):
         step.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, 0.0, **kw)
     elif fault == "stage_left_out_of_norm":  # each pipeline stage clips by its own norm
         step.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, max_norm, **{**kw, "pp_mesh": None})
-    elif fault == "loss_not_divided":  # micro-batch losses summed, not averaged
-        step.pipeline_loss_fn = lambda n: loss_fn(1)
+    elif fault == "loss_not_divided":  # micro-batch mean losses summed, not averaged
+        step.pipeline_loss_fn = lambda n: step.cross_entropy  # a plain loss_fn: used as it is
     elif fault == "grads_summed":  # the data-parallel reduction sums instead of averaging
         dp = dims.get("dp_shard", 1) * dims.get("dp_replicate", 1)
 

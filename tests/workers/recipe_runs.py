@@ -1,6 +1,7 @@
 """Train several `train.py` command lines in one torchrun job, through the recipe train.py
 uses (training/recipe.py: model, layout, parts, optimizer, step; the same data loader),
-and record for each its losses, gradient norms and full final weights:
+and record for each its losses, gradient norms, full final weights and the last step's
+full gradients (clipped, if clipping binds):
 
     torchrun --nproc-per-node 4 tests/workers/recipe_runs.py OUT_DIR RUNS.json
 
@@ -25,14 +26,15 @@ from meshtrain.training.config_loader import parse_args
 from meshtrain.training.data import build_dataloader, build_tokenizer
 
 
-def full_weights(modules, pp_mesh, drop: set[str]) -> dict[str, torch.Tensor]:
-    """Every parameter in full, from every pipeline stage, under its canonical name;
-    ``drop``: tied copies (the oracle's model lists one weight once)."""
+def full_weights(modules, pp_mesh, drop: set[str], grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (``grads``: its gradient) in full, from every pipeline stage, under its
+    canonical name; ``drop``: tied copies (the oracle's model lists one weight once)."""
     mine = {}
     for module in modules:
         for name, p in module.named_parameters():
             if canonical_name(name) not in drop:
-                mine[canonical_name(name)] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                t = p.grad if grads else p
+                mine[canonical_name(name)] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
     if pp_mesh is None:
         return mine
     everyone = [None] * pp_mesh.size()
@@ -73,6 +75,7 @@ def run(argv: list[str]) -> dict:
         result["grad_norms"].append(norm)
     drop = {alias for names in model.tied_weights() for alias in names[1:]}
     result["final"] = full_weights(parts.modules, submesh(mesh, "pp"), drop)
+    result["grads"] = full_weights(parts.modules, submesh(mesh, "pp"), drop, grads=True)  # the last step's
     result["tp_sharded"] = tp_placements(parts.modules)
     return result
 

@@ -1,0 +1,175 @@
+"""The "sft" dataset's records as arrays, and the loader that packs them into batches.
+
+Records (training/sft.py) become three arrays: every record's tokens end to end, a loss
+mask beside them (one byte per token), and each record's start offset. From a .jsonl /
+.parquet file or folder they are built at start-up, in memory. `meshtrain prepare-data
+--kind sft` (training/prepare_data.py) writes them once into a folder instead --
+tokens.bin, mask.bin, offsets.bin and index.json -- which every rank memory-maps: no rank
+tokenizes or holds the set, and a batch reads only its own records, as with
+`dataset = "tokens"`.
+
+The loader packs records into sequences at start-up (one pass over the offsets, 8 bytes
+a record) and shuffles sequences with the computed permutation of training/shuffle.py, so
+step k's global batch depends only on (seed, k, global_batch_size, seq_len) and every
+layout trains on the same sequences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshtrain.training import chat_template, sft
+from meshtrain.training.config import ConfigError
+from meshtrain.training.token_files import TokenFileLoader, token_dtype
+
+FORMAT, VERSION = "meshtrain-sft", 1
+INDEX = "index.json"
+FILES = {"tokens": "tokens.bin", "mask": "mask.bin", "offsets": "offsets.bin"}
+
+
+class SFTRecords:
+    """Every record's tokens, loss mask and start offset (``offsets`` has one more entry:
+    the end), with what they were made with."""
+
+    def __init__(self, tokens, mask, offsets, *, vocab_size: int, pad_id: int, tokenizer: str, template: str,
+                 checksum: str, source: str):
+        self.tokens, self.mask, self.offsets = tokens, mask, offsets
+        self.vocab_size, self.pad_id, self.tokenizer, self.template = vocab_size, pad_id, tokenizer, template
+        self.checksum, self.source = checksum, source
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @classmethod
+    def from_records(cls, path: str, tok, tokenizer: str, template_choice: str) -> "SFTRecords":
+        """The records of a .jsonl / .parquet file or folder, tokenized here (start-up) with
+        ``tok``, the tokenizer ``tokenizer`` names."""
+        template = chat_template.resolve(template_choice, tokenizer)
+        dtype = token_dtype(tok.vocab_size)
+        parts = []
+        for file in sft.record_files(path):
+            records = (sft.parquet_records(str(file)) if file.suffix == ".parquet" else
+                       sft.jsonl_records(file.read_text(encoding="utf-8", errors="replace"), str(file)))
+            parts.append(sft.encode_records(records, tok, template, tokenizer, dtype))
+        if not sum(len(p[2]) for p in parts):
+            raise ConfigError(f'[training] dataset = "sft": no records in "{path}"')
+        tokens = np.concatenate([p[0] for p in parts])
+        mask = np.concatenate([p[1] for p in parts])
+        offsets = np.concatenate([[0], np.cumsum(np.concatenate([p[2] for p in parts]))]).astype(np.int64)
+        h = hashlib.sha256()
+        for a in (tokens, mask, offsets):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return cls(tokens, mask, offsets, vocab_size=tok.vocab_size, pad_id=tok.eos_id, tokenizer=tokenizer,
+                   template=template, checksum=h.hexdigest(), source=path)
+
+    @classmethod
+    def from_folder(cls, folder: str) -> "SFTRecords":
+        """A folder `meshtrain prepare-data --kind sft` wrote, memory-mapped."""
+        path = Path(folder) / INDEX
+        where = f'[training] dataset_path = "{folder}"'
+        try:
+            index = json.loads(path.read_text())
+            ok = (index.get("format"), index.get("version")) == (FORMAT, VERSION)
+            dtype, n, t = np.dtype(index["dtype"]), int(index["num_records"]), int(index["num_tokens"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"{where}: {path} is not a meshtrain sft index ({err!r})") from None
+        if not ok:
+            raise ConfigError(f"{where}: {path} is not a {FORMAT} version {VERSION} index; prepare it with "
+                              f"`meshtrain prepare-data --kind sft`")
+        if index_checksum(index) != index["checksum"]:
+            raise ConfigError(f"{where}: {path} is inconsistent; prepare the folder again")
+        arrays = {}
+        for key, (want_dtype, count) in {"tokens": (dtype, t), "mask": (np.dtype(np.uint8), t),
+                                         "offsets": (np.dtype(np.int64), n + 1)}.items():
+            file = Path(folder) / FILES[key]
+            size = file.stat().st_size if file.is_file() else None
+            if size != count * want_dtype.itemsize:  # sizes, not contents: a stat per file
+                raise ConfigError(f"{where}: {file} is {'missing' if size is None else f'{size:,} bytes'}, but "
+                                  f"{path} says {count * want_dtype.itemsize:,} bytes; prepare the folder again")
+            arrays[key] = _map(file, want_dtype)
+        return cls(arrays["tokens"], arrays["mask"], arrays["offsets"], vocab_size=index["vocab_size"],
+                   pad_id=index["pad_id"], tokenizer=index["tokenizer"], template=index["chat_template"],
+                   checksum=index["checksum"], source=folder)
+
+
+def _map(path: Path, dtype) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.empty(0, dtype)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_RANDOM)  # a batch reads a few records here and there
+    return np.frombuffer(mm, dtype=dtype)
+
+
+def index_checksum(index: dict) -> str:
+    body = {k: v for k, v in index.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class SFTLoader(TokenFileLoader):
+    """The records packed into sequences of seq_len + 1 (training/sft.py), batched like
+    windows: the same computed shuffle, rank slices and micro-batches as TokenFileLoader,
+    and (inputs, labels) with -100 wherever a token is not trained."""
+
+    _as_tokens = staticmethod(lambda records: records)
+
+    def _count_windows(self) -> int:
+        capacity = self.seq_len + 1
+        self.lengths = sft.truncate(np.diff(self.tokens.offsets), capacity)
+        self.first_record = sft.pack(self.lengths, capacity)  # of each sequence, and the end
+        return len(self.first_record) - 1
+
+    def _size_words(self) -> str:
+        return (f"{len(self.tokens):,} records of {self.tokens.source} pack into {self.num_windows:,} sequences "
+                f"of seq_len + 1 = {self.seq_len + 1} tokens")
+
+    def sequences(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, loss mask) of packed sequences ``ids``, [len(ids), seq_len + 1] each."""
+        r = self.tokens
+        rows = [sft.sequence(r.tokens, r.mask, r.offsets, self.lengths, int(self.first_record[i]),
+                             int(self.first_record[i + 1]), self.seq_len + 1, r.pad_id) for i in ids.tolist()]
+        return np.stack([b for b, _ in rows]), np.stack([k for _, k in rows])
+
+    def global_sequences(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The whole global batch of ``step`` as packed sequences (tokens, mask), for reference runs."""
+        return self.sequences(self._window_ids(step * self.global_batch_size, self.global_batch_size))
+
+    def _windows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels = sft.inputs_and_labels(*self.sequences(ids))
+        return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(labels)
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("dataset_checksum") != self.tokens.checksum:
+            raise ConfigError(f"data loader state was saved with other records (checksum "
+                              f"{sd.get('dataset_checksum')}) than {self.tokens.source} ({self.tokens.checksum}); "
+                              f"resuming would read different sequences")
+        super(TokenFileLoader, self).load_state_dict(sd)
+
+
+def build_sft_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int) -> SFTLoader:
+    """[training] dataset = "sft": a prepared folder (index.json) is memory-mapped, a .jsonl /
+    .parquet file or folder of them is tokenized now."""
+    path = cfg.dataset_path
+    if os.path.isfile(os.path.join(path, INDEX)):
+        records = SFTRecords.from_folder(path)
+        if records.vocab_size > tokenizer.vocab_size:
+            raise ConfigError(f'[training] dataset_path = "{path}" was prepared with {records.tokenizer} '
+                              f"({records.vocab_size} tokens), more than [training] tokenizer = "
+                              f'"{cfg.tokenizer}" has ({tokenizer.vocab_size}); use the tokenizer it was prepared with')
+    else:
+        records = SFTRecords.from_records(path, tokenizer, cfg.tokenizer, getattr(cfg, "chat_template", "auto"))
+    if getattr(cfg, "document_masking", False) and int(os.environ.get("RANK", 0)) == 0:
+        warnings.warn('[training] document_masking = true is not implemented yet: records packed into one sequence '
+                      "still attend to the records before them (the loss is only on each record's own response "
+                      "tokens). See docs/finetuning.md", stacklevel=2)
+    return SFTLoader(records, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
+                     local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
