@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import subprocess
 import sys
 
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from meshtrain.training import recipe
 from meshtrain.training.config import ConfigError
 from meshtrain.training.config_loader import load_config, parse_args
-from meshtrain.training.data import build_dataloader, build_tokenizer, held_out_range, load_tokens
+from meshtrain.training.data import DataLoader, build_dataloader, build_tokenizer, held_out_range, load_tokens
 from meshtrain.training.evaluate import checkpoint_folder, parse_command_line, validation_loader
 from tests import oracle, train_oracle
 from tests.conftest import ROOT, torchrun
@@ -55,14 +57,19 @@ LAYOUTS = {
 def plain_validation_loss(argv: list[str], weights: dict[str, torch.Tensor]) -> float:
     """Plain PyTorch: the model class as an ordinary nn.Module with ``weights``, one
     process, `F.cross_entropy` over every token of each held-out global batch, the mean
-    over the batches. From meshtrain only the inputs: the config, the model class, and
-    the held-out windows (the loader read as one data-parallel rank of one)."""
+    over the batches. From meshtrain only the inputs: the config, the model class, the
+    token stream, and the order of windows (DataLoader, one data-parallel rank of one)
+    over the held-out tail, which is cut here by hand: the last floor(split * tokens)."""
     cfg, _ = parse_args(argv)
-    shape = recipe.build_model(cfg, build_tokenizer(cfg.training.tokenizer).vocab_size)
+    t = cfg.training
+    shape = recipe.build_model(cfg, build_tokenizer(t.tokenizer).vocab_size)
     model = type(shape)(shape.cfg)
     model.load_state_dict(weights, strict=False)  # a tied copy is the same tensor
     assert {n for n, _ in model.named_parameters()} <= set(weights)
-    data = validation_loader(cfg, dp_rank=0, dp_size=1)
+    tokens = load_tokens(t.dataset, t.dataset_path, t.tokenizer)
+    tail = tokens[len(tokens) - math.floor(len(tokens) * cfg.validation.split):]
+    data = DataLoader(tail, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                      local_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, seed=t.seed)
     losses = []
     with torch.no_grad():
         for k in range(cfg.validation.steps):
@@ -160,9 +167,15 @@ def test_validation_changes_no_training_number_resumes_bitwise_and_evaluate_agre
     assert train_oracle.logged(tmp_path / "on", "loss") == train_oracle.logged(tmp_path / "off", "loss")
     assert train_oracle.logged(tmp_path / "on", "val/loss") == val
 
-    # The test loop: the same layout gives the same number (TensorBoard keeps float32)...
-    same = torchrun("-m", "meshtrain.cli", "evaluate", str(last_on.parent), *TRAIN[:-2], f"--out={tmp_path / 'same.json'}",
-                    nproc=4)
+    # The test loop, launched on 4 processes by the command itself: the same layout gives
+    # the same number (TensorBoard keeps float32)...
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    same = subprocess.run([sys.executable, "-m", "meshtrain.cli", "evaluate", str(last_on.parent), *TRAIN[:-2],
+                           f"--out={tmp_path / 'same.json'}", "--nproc-per-node=4", "--rdzv-backend=c10d",
+                           f"--rdzv-endpoint=127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-4000:]
     got = json.loads((tmp_path / "same.json").read_text())
     assert got["step"] == 6 and torch.tensor(got["val/loss"]).item() == val[-1]
@@ -197,6 +210,36 @@ def test_the_held_out_tail_is_disjoint_from_training_and_the_same_in_every_layou
     halves = [validation_loader(load_config(None, ["--training.seq_len=64", *VAL]), dp_rank=r, dp_size=2).batch(0)
               for r in range(2)]
     assert torch.equal(torch.cat([h[0][0] for h in halves]), inputs)
+
+
+def test_prepared_tokens_hold_out_the_same_tail_as_the_text_they_were_made_from(tmp_path):
+    """dataset = "tokens" (memory-mapped shards, cut across a shard boundary here) holds out
+    exactly the tokens the in-memory text dataset does, as training data or as [validation]
+    dataset."""
+    from meshtrain.training.prepare_data import prepare
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * (30 + i))
+    prepare([str(corpus)], str(tmp_path / "tokens"), shard_tokens=4000, progress=False)
+    text = ["--training.dataset=text", f"--training.dataset_path={corpus}", "--training.seq_len=32",
+            "--validation.split=0.1", "--validation.steps=1"]
+    prepared = ["--training.dataset=tokens", f"--training.dataset_path={tmp_path / 'tokens'}",
+                "--training.seq_len=32", "--validation.split=0.1", "--validation.steps=1"]
+    stream = load_tokens("text", str(corpus))
+    start, stop = held_out_range(len(stream), 0.1, "held_out")
+    for flags in (text, prepared):
+        cfg = load_config(None, flags)
+        held = validation_loader(cfg, dp_rank=0, dp_size=1)
+        train, _ = build_dataloader(cfg.training, dp_rank=0, dp_size=1, held_out=0.1)
+        assert len(held.tokens) == stop - start and len(train.tokens) == start, flags
+        first = held._window_ids(0, 1)[0] * 33
+        assert torch.equal(held.global_batch(0)[0][0], stream[start + first:start + first + 32].long())
+    # The same folder as a validation corpus of its own: all of it.
+    cfg = load_config(None, ["--validation.dataset=tokens", f"--validation.dataset_path={tmp_path / 'tokens'}",
+                             "--training.seq_len=32", "--validation.steps=1"])
+    assert len(validation_loader(cfg, dp_rank=0, dp_size=1).tokens) == len(stream)
 
 
 def test_validation_data_smaller_than_a_batch_is_refused_naming_the_key_and_file(tmp_path):
