@@ -39,7 +39,9 @@ from tests import oracle, train_oracle
 from tests.conftest import ROOT, torchrun
 
 VAL = ["--validation.split=0.05", "--validation.steps=2"]
-BASE = ["--config", "debug_2d", "--training.steps=2", "--training.seq_len=64", *VAL]
+# Evaluated after every step (and once more at the end, for the number compared).
+BASE = ["--config", "debug_2d", "--training.steps=2", "--training.seq_len=64", *VAL, "--validation.enable=true",
+        "--validation.interval=1"]
 # name -> layout flags over debug_2d (dp_shard 2 x tp 2); 4 processes each.
 LAYOUTS = {
     "fsdp4": ["--parallelism.dp_shard=4", "--parallelism.tp=1"],
@@ -52,6 +54,10 @@ LAYOUTS = {
     "pp2_interleaved_tp2": ["--parallelism.pp=2", "--parallelism.dp_shard=1", "--parallelism.tp=2",
                             "--parallelism.pp_schedule=Interleaved1F1B"],
 }
+# A pipeline schedule switched to its forward-only eval and back between steps re-infers its
+# stages' shapes: these twins evaluate only at the end, and must train bitwise alike.
+TWINS = {f"{name}_no_val_between": [*LAYOUTS[name], "--validation.enable=false"]
+         for name in ("pp2_gpipe_dp2", "pp2_interleaved_tp2")}
 
 
 def plain_validation_loss(argv: list[str], weights: dict[str, torch.Tensor]) -> float:
@@ -82,7 +88,8 @@ def plain_validation_loss(argv: list[str], weights: dict[str, torch.Tensor]) -> 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("val_layouts")
-    runs = {name: [*BASE, *flags, f"--job.output_dir={root}", f"--job.name={name}"] for name, flags in LAYOUTS.items()}
+    runs = {name: [*BASE, *flags, f"--job.output_dir={root}", f"--job.name={name}"]
+            for name, flags in {**LAYOUTS, **TWINS}.items()}
     (root / "runs.json").write_text(json.dumps(runs))
     proc = torchrun("tests/workers/validation_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -100,6 +107,21 @@ def test_validation_loss_equals_plain_pytorch_cross_entropy(layouts, layout):
     want = plain_validation_loss(argv, got["final"])
     assert abs(got["val/loss"] - want) <= 1e-5 * want, (layout, got["val/loss"], want)
     assert got["val/perplexity"] == pytest.approx(math.exp(got["val/loss"]), rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_a_pipeline_evaluated_between_steps_trains_bitwise_alike(layouts, twin):
+    """Switched to ``eval`` and back, a torch.distributed.pipelining schedule infers its
+    stages' shapes again (a real forward and backward, under its own fork of the RNG):
+    that must leave no trace in training. No plant of ours reaches it (evaluation is never
+    given the optimizer, and torch's generators are compared in the train.py test below);
+    it guards torch's side of the switch."""
+    quiet = layouts[twin][1]
+    between = layouts[twin.removesuffix("_no_val_between")][1]
+    assert between["losses"] == quiet["losses"] and between["grad_norms"] == quiet["grad_norms"]
+    assert all(torch.equal(between["final"][k], w) for k, w in quiet["final"].items())
+    assert between["val/loss"] == quiet["val/loss"]
 
 
 # ----------------------------------------------------------------------------- train.py

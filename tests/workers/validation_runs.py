@@ -1,6 +1,8 @@
-"""Train several `train.py` command lines a few steps in one torchrun job, then evaluate
-each with training/evaluate.py, and record the validation loss with the full weights it
-was computed from (the plain-PyTorch reference in tests/test_validation.py recomputes it):
+"""Train several `train.py` command lines a few steps in one torchrun job -- evaluating
+between steps as train.py does when [validation] enable is on -- then evaluate each with
+training/evaluate.py, and record the losses, gradient norms, the validation loss and the
+full weights it was computed from (the plain-PyTorch reference in tests/test_validation.py
+recomputes it):
 
     torchrun --nproc-per-node 4 tests/workers/validation_runs.py OUT_DIR RUNS.json
 
@@ -39,12 +41,17 @@ def run(argv: list[str]) -> dict:
     optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
     step = recipe.build_step(cfg, layout, parts, optimizer, torch.device("cpu"))
     validation = Validation(cfg, layout, parts, torch.device("cpu"))
+    result = {"losses": [], "grad_norms": []}
     for n in range(1, t.steps + 1):  # trained away from the initial weights first
-        step(data.batch(n - 1), n)
+        loss, norm = step(data.batch(n - 1), n)
         scheduler.step()
-    scalars = validation.run(t.steps)
+        result["losses"].append(loss)
+        result["grad_norms"].append(norm)
+        if cfg.validation.enable and validation.due(n, last=False):  # between steps, as train.py does
+            validation.run(n)
+    result.update(validation.run(t.steps))
     drop = {alias for names in model.tied_weights() for alias in names[1:]}
-    return {**scalars, "final": full_weights(parts.modules, submesh(mesh, "pp"), drop)}
+    return {**result, "final": full_weights(parts.modules, submesh(mesh, "pp"), drop)}
 
 
 if __name__ == "__main__":
