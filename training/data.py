@@ -251,6 +251,8 @@ def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int, held_out: floa
         return loader, tokenizer
     tokens = load_tokens(cfg.dataset, cfg.dataset_path, cfg.tokenizer, getattr(cfg, "max_tokens", None))
     start, stop = held_out_range(len(tokens), held_out, part)
-    loader = DataLoader(tokens[start:stop], seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
+    if (start, stop) != (0, len(tokens)):
+        tokens = tokens[start:stop]  # a view of the cached stream: nothing is copied
+    loader = DataLoader(tokens, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
                         local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
     return loader, tokenizer
