@@ -8,6 +8,7 @@
     meshtrain estimate --config llama70b_2d --world-size 64
     meshtrain prepare-data corpus/ --out tokens/
     meshtrain export outputs/debug_2d/checkpoint/step-00000020 hf_out --format hf
+    meshtrain evaluate outputs/debug_2d/checkpoint --config debug_2d --validation.split 0.05 --nproc-per-node 4
 
 `--config NAME` finds NAME.toml in ./configs or among the configs meshtrain ships. Each
 subcommand's `--help` lists its own options. The `python -m meshtrain.planning.plan`-style
@@ -28,6 +29,7 @@ COMMANDS = {
     "estimate": "the planner's memory and step time for one config",
     "prepare-data": "tokenize a corpus once into memory-mapped shards (dataset = \"tokens\")",
     "export": "a DCP checkpoint to a Hugging Face folder or one torch file",
+    "evaluate": "the validation loss of a saved checkpoint, under any layout (the test loop)",
 }
 
 
@@ -76,9 +78,28 @@ def run_command(name: str, argv: list[str]) -> int:
         from meshtrain.training.prepare_data import main
 
         return main(argv)
+    if name == "evaluate":
+        return evaluate(argv)
     from meshtrain.training.export import main
 
     return main(argv)
+
+
+def evaluate(argv: list[str]) -> int:
+    """`meshtrain evaluate`: --help, N processes under torchrun (each running this command),
+    or this process; bad input ends with one message and exit code 2, as for train."""
+    from meshtrain import train
+    from meshtrain.training import evaluate
+    from meshtrain.training.launch import launch, split_for_torchrun
+
+    if {"-h", "--help"} & set(argv):
+        print(evaluate.USAGE)
+        return 0
+    launcher, rest = split_for_torchrun(argv)
+    if launcher:
+        return launch(launcher, ["evaluate", *rest], module="meshtrain.cli",
+                      check=lambda args: evaluate.parse_command_line(args[1:]))
+    return train.run(rest, command=evaluate.main)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,8 @@
 
 Read top to bottom: config -> model on meta -> layout (every rule checked before any
 process group, so a bad config costs a second, not a cluster allocation) -> mesh ->
-this rank's parts, parallelized -> weights -> data, optimizer, checkpoint, metrics -> the
-loop. How each piece is built is training/recipe.py, shared with the dry run.
+this rank's parts, parallelized -> weights -> data, validation, optimizer, checkpoint,
+metrics -> the loop. How each piece is built is training/recipe.py, shared with the dry run.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     from meshtrain.training import recipe
     from meshtrain.training.console import announce, say_done, say_nothing_to_do, say_stopped
     from meshtrain.training.data import build_dataloader, build_tokenizer
+    from meshtrain.training.evaluate import build_validation
     from meshtrain.training.faults import (CollectiveFailure, GracefulStop, describe_collective_failure,
                                  is_collective_failure, set_collective_timeout, skip_or_stop, step_phase)
     from meshtrain.training.metrics import (MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token,
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         part.init_weights(seed=t.seed, device=device)        # each rank fills only its shards
 
     dp_rank, dp_size = mesh_coordinate(mesh, "dp")
-    data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size)
+    data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size, held_out=cfg.validation.split)
+    validation = build_validation(cfg, layout, parts, device)  # None unless [validation] enable
     optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
     checkpoint, start_step = recipe.open_checkpoint(cfg, parts, optimizer, scheduler, data, run_dir)
     if start_step >= t.steps:
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
                 if peak:
                     scalars["mfu"] = 100 * tps * flops / peak
                 metrics.log(n, {**scalars, **memory_stats(device)})
+            if validation is not None and validation.due(n, last=n == t.steps):
+                metrics.log(n, validation.run(n))  # forward only, on held-out data: training is untouched
             stopping = stop.agreed(device)  # every rank stops after the same step
             if checkpoint is not None and (stopping or checkpoint.should_save(n, last=n == t.steps)):
                 with step_phase(n, "checkpoint save"):
@@ -133,15 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     shutdown_distributed()
 
 
-def run(argv: list[str] | None = None) -> int:
-    """Bad input ends every rank promptly with a message and exit code 2, not a traceback
-    (``--debug`` shows it). Only rank 0 prints: every rank read the same config. Bad input
-    means meshtrain's own error types, raised where the input is checked; any other
-    exception is a bug and keeps its traceback (exit 1). A failed collective or a
-    non-finite step ends with 3, said by every rank that sees it."""
+def run(argv: list[str] | None = None, command=main) -> int:
+    """``command(argv)``: the trainer, or `meshtrain evaluate` (cli.py). Bad input ends
+    every rank promptly with a message and exit code 2, not a traceback (``--debug`` shows
+    it). Only rank 0 prints: every rank read the same config. Bad input means meshtrain's
+    own error types, raised where the input is checked; any other exception is a bug and
+    keeps its traceback (exit 1). A failed collective or a non-finite step ends with 3,
+    said by every rank that sees it."""
     debug = "--debug" in (argv if argv is not None else sys.argv)
     try:
-        main(argv)
+        command(argv)
         return 0
     except Exception as err:
         code = exit_code(err)

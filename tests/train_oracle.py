@@ -32,7 +32,7 @@ def oracle_for(*argv: str, with_unclipped: bool = False) -> oracle.Oracle:
         model.init_weights(seed=t.seed)
         return model
 
-    data, _ = build_dataloader(t, dp_rank=0, dp_size=1)
+    data, _ = build_dataloader(t, dp_rank=0, dp_size=1, held_out=cfg.validation.split)
     steps = [data.batch(step) for step in range(t.steps)]
     if s.decay_type == "cosine":
         lr_at = lambda step: oracle.cosine_lr(step, lr=o.lr, warmup=s.warmup_steps, total=t.steps,

@@ -95,10 +95,12 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 
 
 # What may change between a run and its resumption without making it another experiment:
-# the layout (checkpoints reshard), the length of the run, logging, checkpointing, timeouts.
+# the layout (checkpoints reshard), the length of the run, logging, checkpointing, timeouts,
+# and evaluation -- all but [validation] split, which decides what training reads.
 _MAY_CHANGE = {"job": {"name", "output_dir", "description", "device"}, "training": {"steps", "local_batch_size"},
                "parallelism": None, "checkpoint": None, "metrics": None, "comm": None,
-               "activation_checkpoint": None, "compile": None}
+               "activation_checkpoint": None, "compile": None,
+               "validation": {"enable", "interval", "steps", "dataset", "dataset_path"}}
 
 
 def config_differences(saved_toml: str, current_toml: str) -> list[str]:
@@ -155,6 +157,34 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def check_same_model(path: Path, model_config: dict, advice: str) -> None:
+    """The checkpoint holds this architecture (its model_config.json), or CheckpointError."""
+    saved_config = json.loads((path / "model_config.json").read_text())
+    if saved_config != model_config:
+        diff = ", ".join(f"{k}: checkpoint {saved_config.get(k)} vs this run {v}"
+                         for k, v in model_config.items() if saved_config.get(k) != v)
+        raise CheckpointError(f"checkpoint {path} is of another model ({diff}); {advice}")
+
+
+def load_model(path: Path, parts: list[nn.Module], model_config) -> int:
+    """The model weights of the checkpoint at ``path`` into ``parts``, under any layout
+    (DCP re-slices each tensor); returns its step. Evaluation reads nothing else: no
+    optimizer state, no data position, no RNG."""
+    path = Path(path)
+    check_same_model(path, json.loads(json.dumps(asdict(model_config))),
+                     "evaluate it with the config of the run that wrote it")
+    state = {"model": model_state(parts)}
+    reader = SafeReader(str(path))
+    try:
+        reader.read_metadata()
+        dcp.load(state, storage_reader=reader)
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} could not be read: {_root_cause(err)}") from None
+    for part in parts:
+        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+    return json.loads((path / "meta.json").read_text())["step"]
 
 
 class CheckpointManager:
@@ -243,12 +273,8 @@ class CheckpointManager:
 
     def load(self, path: Path) -> tuple[int, dict]:
         meta = json.loads((path / "meta.json").read_text())
-        saved_config = json.loads((path / "model_config.json").read_text())
-        if saved_config != self.model_config:
-            diff = ", ".join(f"{k}: checkpoint {saved_config.get(k)} vs this run {v}"
-                             for k, v in self.model_config.items() if saved_config.get(k) != v)
-            raise CheckpointError(f"checkpoint {path} is of another model ({diff}); point "
-                                  f"[job] output_dir / name elsewhere or change the model back")
+        check_same_model(path, self.model_config,
+                         "point [job] output_dir / name elsewhere or change the model back")
         saved_job = path / "job_config.toml"
         if self.if_config_differs != "resume" and saved_job.is_file():
             diff = config_differences(saved_job.read_text(), self.job_config_text)

@@ -225,6 +225,20 @@ class Float8Section:
 
 
 @dataclass
+class ValidationSection:
+    enable: bool = opt(False, "evaluate the loss on held-out data every interval steps and after the last "
+                       "step (no gradients; training is bitwise the same with it on or off)")
+    interval: int = opt(100, "evaluate every this many steps (and after the last step)", min=1)
+    steps: int = opt(10, "batches of global_batch_size sequences per evaluation (the same batches every "
+                     "time)", min=1)
+    split: float = opt(0.0, "the fraction at the end of the training data held out for validation (when "
+                       "dataset is empty); training never reads it, whether or not enable is on", min=0, lt=1)
+    dataset: str = opt("", "validation corpus, any kind training accepts: stdlib, text or tokens; empty: "
+                       "the held-out split of the training data", choices=("", "stdlib", "text", "tokens"))
+    dataset_path: str = opt("", "file or folder of the text dataset; the prepared folder for tokens")
+
+
+@dataclass
 class CommSection:
     init_timeout_seconds: float = opt(600.0, "collective timeout until the first step is done "
                                       "(start-up, compilation, shape inference)", gt=0,
@@ -247,6 +261,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
     compile: CompileSection = field(default_factory=CompileSection)
     float8: Float8Section = field(default_factory=Float8Section)
+    validation: ValidationSection = field(default_factory=ValidationSection)
     comm: CommSection = field(default_factory=CommSection)
 
 

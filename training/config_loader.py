@@ -177,6 +177,30 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         raise ConfigError(f"{where} must divide global_batch_size = {t.global_batch_size}: every "
                           f"step runs whole micro-batches. Use a divisor of {t.global_batch_size}, "
                           f"or 0 for one micro-batch per rank.")
+    v = cfg.validation
+    check_validation(cfg, sources, needed_by=_where("validation", "enable", v.enable,
+                                                    sources.get(("validation", "enable"))) if v.enable else "")
+
+
+def check_validation(cfg: JobConfig, sources: dict | None = None, *, needed_by: str = "") -> None:
+    """[validation]: where its data comes from, said one way. ``needed_by``: who evaluates
+    (enable = true, or `meshtrain evaluate`), so there must be data; empty: nobody yet."""
+    v, sources = cfg.validation, sources or {}
+    where = lambda key: _where("validation", key, getattr(v, key), sources.get(("validation", key)))
+    if v.split and v.dataset:
+        raise ConfigError(f'{where("split")} holds out the end of the training data, but [validation] '
+                          f'dataset = "{v.dataset}" is a corpus of its own: use one or the other '
+                          f"(split = 0 with a dataset)")
+    if v.dataset_path and v.dataset in ("", "stdlib"):
+        raise ConfigError(f'{where("dataset_path")} is read only with [validation] dataset = "text" or '
+                          f'"tokens" (dataset is "{v.dataset}")')
+    if v.dataset in ("text", "tokens") and not v.dataset_path:
+        raise ConfigError(f'{where("dataset")} needs [validation] dataset_path = '
+                          + ("a file or folder of text" if v.dataset == "text" else
+                             "a folder prepared by `meshtrain prepare-data`"))
+    if needed_by and not (v.dataset or v.split):
+        raise ConfigError(f"{needed_by}, but [validation] has no data: set split (e.g. 0.05: the last 5% of the training data "
+                          "is held out) or dataset (stdlib, text or tokens, with dataset_path)")
 
 
 def _check_hf_model(m, sources) -> None:

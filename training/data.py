@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sysconfig
 import warnings
@@ -220,10 +221,25 @@ def _load_tokens(dataset, dataset_path, tokenizer, max_tokens) -> torch.Tensor:
     return tokens[:max_tokens] if max_tokens is not None else tokens
 
 
-def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int):
+def held_out_range(n_tokens: int, held_out: float, part: str) -> tuple[int, int]:
+    """Tokens [start, stop) of ``part`` of a stream of ``n_tokens``: "held_out" is its last
+    ``held_out`` fraction, "train" everything before it (all of it for held_out = 0). A
+    cut in token space, like nanoGPT's: it does not depend on seq_len, the batch or the
+    layout, so training never reads a held-out token under any of them."""
+    cut = n_tokens - math.floor(n_tokens * held_out)
+    if part == "train":
+        return 0, cut
+    if part == "held_out":
+        return cut, n_tokens
+    raise ValueError(f"part must be 'train' or 'held_out', got {part!r}")
+
+
+def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int, held_out: float = 0.0, part: str = "train"):
     """(DataLoader, tokenizer) from a training config (seq_len, global_batch_size,
     local_batch_size, seed, dataset, dataset_path, tokenizer; optional max_tokens).
-    local_batch_size 0 means global_batch_size // dp_size: no gradient accumulation."""
+    local_batch_size 0 means global_batch_size // dp_size: no gradient accumulation.
+    ``held_out``: the fraction at the end of the corpus kept for validation ([validation]
+    split); ``part`` "train" reads the rest, "held_out" that tail (`held_out_range`)."""
     cfg = cfg_training
     local = cfg.local_batch_size or cfg.global_batch_size // dp_size
     if cfg.global_batch_size % dp_size or local < 1:
@@ -231,10 +247,18 @@ def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int):
                          f"multiple of dp_size={dp_size}")
     tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.dataset == "tokens":  # prepared files, memory-mapped: nothing is tokenized here
-        return build_token_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size), tokenizer
+        loader = build_token_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size,
+                                    span=lambda n: held_out_range(n, held_out, part))
+        return loader, tokenizer
     if cfg.dataset == "sft":  # records packed into sequences, labels -100 but on the responses
+        if held_out:
+            raise ConfigError('[validation] split holds out the end of a token stream; dataset = "sft" is '
+                              'records, which it cannot split yet: set [validation] split = 0')
         return build_sft_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size), tokenizer
     tokens = load_tokens(cfg.dataset, cfg.dataset_path, cfg.tokenizer, getattr(cfg, "max_tokens", None))
+    start, stop = held_out_range(len(tokens), held_out, part)
+    if (start, stop) != (0, len(tokens)):
+        tokens = tokens[start:stop]  # a view of the cached stream: nothing is copied
     loader = DataLoader(tokens, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
                         local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
     return loader, tokenizer

@@ -55,14 +55,16 @@ def split_for_torchrun(argv: list[str]) -> tuple[list[str], list[str]]:
     return launcher, trainer
 
 
-def launch(launcher: list[str], argv: list[str]) -> int:
-    """Run the trainer under torchrun with ``launcher``'s options; the exit code of the
-    first failed rank, its one message printed."""
+def launch(launcher: list[str], argv: list[str], module: str = TRAINER, check=None) -> int:
+    """Run the trainer (or another ``module``: `meshtrain evaluate`) under torchrun with
+    ``launcher``'s options; the exit code of the first failed rank, its one message
+    printed. ``check(argv)``: the module's own reading of its command line (default: the
+    trainer's), made here first."""
     from meshtrain.training.config import ConfigError
     from meshtrain.training.config_loader import parse_args
 
     try:
-        parse_args(argv)  # the same check every rank makes, made once, before any process starts
+        (check or parse_args)(argv)  # the same check every rank makes, made once, before any process starts
     except ConfigError as err:
         print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -75,7 +77,7 @@ def launch(launcher: list[str], argv: list[str]) -> int:
         for name in ("torch.distributed.elastic", "torch.distributed.run"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[ONE_MESSAGE] = "1"
-    args = torchrun.parse_args([*launcher, "-m", TRAINER, *argv])
+    args = torchrun.parse_args([*launcher, "-m", module, *argv])
     try:
         torchrun.run(args)
         return 0

@@ -134,6 +134,8 @@ _CONSOLE = {
     "mfu": ("mfu", "{:.1f}%"),
     "peak_gib": ("mem", "{:.2f} GiB"),
     "peak_rss_gib": ("mem", "{:.2f} GiB"),
+    "val/loss": ("val/loss", "{:.4f}"),            # training/evaluate.py, on held-out data
+    "val/perplexity": ("val/perplexity", "{:.2f}"),
 }
 # One memory figure on the console (the peak, what decides an OOM); the rest go to
 # TensorBoard only.

@@ -184,9 +184,13 @@ def _check_inputs(cfg: JobConfig) -> None:
         blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
         if blocking is not None:  # found now, not by the TensorBoard writer after the first step
             raise ConfigError(f'{key}: "{blocking}" is a file, but the run writes a folder there ({path})')
-    if t.dataset == "text" and not (t.dataset_path and os.path.exists(t.dataset_path)):
-        raise ConfigError(f'[training] dataset = "text" needs dataset_path = a file or folder of text; '
-                          f'"{t.dataset_path}" does not exist')
+    for section, data in (("training", t), ("validation", cfg.validation)):
+        if data.dataset == "text" and not (data.dataset_path and os.path.exists(data.dataset_path)):
+            raise ConfigError(f'[{section}] dataset = "text" needs dataset_path = a file or folder of text; '
+                              f'"{data.dataset_path}" does not exist')
+        if data.dataset == "tokens" and not os.path.isfile(os.path.join(data.dataset_path, "index.json")):
+            raise ConfigError(f'[{section}] dataset = "tokens" needs dataset_path = a folder prepared by '
+                              f'`meshtrain prepare-data`; no index.json in "{data.dataset_path}"')
     if t.dataset == "sft" and not (t.dataset_path and os.path.exists(t.dataset_path)):
         raise ConfigError(f'[training] dataset = "sft" needs dataset_path = a .jsonl/.parquet file, a folder of '
                           f'them, or a folder prepared by `meshtrain prepare-data --kind sft`; '
@@ -195,9 +199,6 @@ def _check_inputs(cfg: JobConfig) -> None:
         from meshtrain.training.chat_template import resolve
 
         resolve(t.chat_template, t.tokenizer)
-    if t.dataset == "tokens" and not os.path.isfile(os.path.join(t.dataset_path, "index.json")):
-        raise ConfigError(f'[training] dataset = "tokens" needs dataset_path = a folder prepared by '
-                          f'`meshtrain prepare-data`; no index.json in "{t.dataset_path}"')
     if hf and not registry.get(cfg.model.name).hf:
         raise ConfigError(f'[checkpoint] initial_load_hf reads Hugging Face weights; [model] name = '
                           f'"{cfg.model.name}" has no importer')
@@ -230,6 +231,7 @@ class Parts:
     mesh: object
     parts: list[tuple[int, nn.Module]]   # (stage index, module); one (0, model) without a pipeline
     model: nn.Module                     # the whole model, on meta: its config, names and ties
+    schedule: object = None              # the pipeline schedule over these stages (pipeline_schedule)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -286,11 +288,8 @@ def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Opti
 
     # A weight tied across stages (GPT-2's embedding and output) has a copy at each end.
     tied = tie_across_stages(run.modules, mesh, pp_mesh, run.model.tied_weights())
-    ids = [i for i, _ in run.parts]
-    first, last = 0 in ids, len(layout.stage_layers) - 1 in ids  # feeds tokens / computes the loss
-    schedule = build_schedule(layout.pp_schedule, run.parts, pp_mesh, n_microbatches=layout.pp_microbatches,
-                              n_stages=len(layout.stage_layers), device=device,
-                              loss_fn=pipeline_loss_fn(layout.pp_microbatches * layout.grad_accum(t.global_batch_size)))
+    first, last = holds_ends(layout, run)
+    schedule = pipeline_schedule(cfg, layout, run, device)
 
     def step(micro_batches, number):
         return pipeline_train_step(schedule, run.modules, optimizer, micro_batches, first=first, last=last,
@@ -298,6 +297,26 @@ def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Opti
                                    pp_mesh=pp_mesh, cp_mesh=cp_mesh, device=device, step=number,
                                    skip_nonfinite=True, tied=tied)
     return step
+
+
+def holds_ends(layout: ParallelDims, run: Parts) -> tuple[bool, bool]:
+    """Whether this rank holds the first pipeline stage (feeds tokens) and the last
+    (computes the loss)."""
+    ids = [i for i, _ in run.parts]
+    return 0 in ids, len(layout.stage_layers) - 1 in ids
+
+
+def pipeline_schedule(cfg: JobConfig, layout: ParallelDims, run: Parts, device: torch.device):
+    """This rank's pipeline schedule, built once per `Parts`: the training step and the
+    validation (its forward-only ``eval``) run the same stages. The loss of each schedule
+    micro-batch is divided by every micro-batch of the step, so a step's losses sum to its
+    mean (training/step.py `pipeline_loss_fn`)."""
+    if run.schedule is None:
+        per_step = layout.pp_microbatches * layout.grad_accum(cfg.training.global_batch_size)
+        run.schedule = build_schedule(layout.pp_schedule, run.parts, submesh(run.mesh, "pp"),
+                                      n_microbatches=layout.pp_microbatches, n_stages=len(layout.stage_layers),
+                                      device=device, loss_fn=pipeline_loss_fn(per_step))
+    return run.schedule
 
 
 def open_checkpoint(cfg: JobConfig, run: Parts, optimizer, scheduler, data, run_dir: Path):

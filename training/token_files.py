@@ -79,10 +79,11 @@ class TokenFiles:
                                   f"{want:,} bytes (truncated or replaced?); prepare the folder again")
         sizes = np.array([s["tokens"] for s in shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # token offset of each shard
+        self.first = 0  # the sequence is tokens [first, num_tokens) of the stream (a held-out split cuts it)
         self._maps: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
-        return self.num_tokens
+        return self.num_tokens - self.first
 
     def _shard(self, i: int) -> np.ndarray:
         if i not in self._maps:  # opened on first use: start-up does not grow with the shard count
@@ -96,7 +97,8 @@ class TokenFiles:
         return self._maps[i]
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the stream, across shard boundaries if need be."""
+        """Tokens [start, start + length) of the sequence, across shard boundaries if need be."""
+        start += self.first
         pieces = []
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         while length > 0:
@@ -143,7 +145,9 @@ class TokenFileLoader(DataLoader):
         super().load_state_dict(sd)
 
 
-def build_token_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int) -> TokenFileLoader:
+def build_token_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int, span=None) -> TokenFileLoader:
+    """``span(num_tokens) -> (start, stop)``: read only those tokens of the stream (a
+    held-out split, training/data.py `held_out_range`); None: all of them."""
     files = TokenFiles(cfg.dataset_path)
     if files.vocab_size > tokenizer.vocab_size:
         raise ConfigError(f'[training] dataset_path = "{cfg.dataset_path}": {files.folder / INDEX} was '
@@ -153,5 +157,7 @@ def build_token_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int
     max_tokens = getattr(cfg, "max_tokens", None)
     if max_tokens is not None:
         files.num_tokens = min(files.num_tokens, max_tokens)
+    if span is not None:
+        files.first, files.num_tokens = span(files.num_tokens)
     return TokenFileLoader(files, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
                            local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)

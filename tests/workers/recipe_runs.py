@@ -64,7 +64,7 @@ def run(argv: list[str]) -> dict:
     for part in parts.modules:
         part.init_weights(seed=t.seed, device="cpu")
     dp_rank, dp_size = mesh_coordinate(mesh, "dp")
-    data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size)
+    data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size, held_out=cfg.validation.split)
     optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
     step = recipe.build_step(cfg, layout, parts, optimizer, torch.device("cpu"))
     result = {"losses": [], "grad_norms": []}
