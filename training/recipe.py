@@ -201,6 +201,15 @@ def _check_inputs(cfg: JobConfig) -> None:
             json.loads(Path(hf, "config.json").read_text())
         except (ValueError, UnicodeDecodeError) as err:
             raise ConfigError(f"[checkpoint] initial_load_hf: {Path(hf, 'config.json')} is not JSON ({err})") from None
+        try:  # every weight file's header: a truncated download is named now, not mid-load on each rank
+            from meshtrain.models.safetensors_files import tensor_files
+
+            tensor_files(Path(hf))
+        except ImportError:
+            raise ConfigError('[checkpoint] initial_load_hf reads safetensors, which is not installed: '
+                              'pip install "meshtrain[hf]" (or pip install safetensors)') from None
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"[checkpoint] initial_load_hf: {err}") from None
 
 
 def check_speed_options(cfg: JobConfig, dims: ParallelDims) -> None:
