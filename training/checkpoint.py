@@ -61,19 +61,20 @@ class _ReadFailure(Exception):
     """This checkpoint could not be read (resume then tries the one before)."""
 
 
-def _root_cause(err: BaseException) -> str:
+def root_cause(err: BaseException) -> str:
     """The innermost OSError's words (a full disk, a read-only folder), else the error itself.
     DCP wraps each rank's failure in a CheckpointException that lists them all."""
     failures = getattr(err, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
     if failures:
         rank, (first, _) = min(failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {_root_cause(first)}"
+        return f"rank {rank}: {root_cause(first)}"
     seen = err
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno is not None:
             return f"{os.strerror(seen.errno)} ({seen.filename or 'in the checkpoint folder'})"
         seen = seen.__cause__ or seen.__context__
-    return f"{type(err).__name__}: {err}"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""  # torch's are paragraphs: one line
+    return f"{type(err).__name__}: {first}"
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -275,7 +276,7 @@ class CheckpointManager:
         try:
             dcp.load(state, storage_reader=reader)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-            raise _ReadFailure(_root_cause(err)) from err
+            raise _ReadFailure(root_cause(err)) from err
         with torch.no_grad():
             for copy, source in copies:  # this rank holds both: the copy takes the source's values
                 copy.copy_(opt[source])
@@ -366,7 +367,7 @@ class CheckpointManager:
 
     def _save_failed(self, final: Path, err: BaseException) -> "CheckpointError":
         kept = [p.name for _, p in complete_checkpoints(self.folder)]
-        return CheckpointError(f"saving {final} failed: {_root_cause(err)}. Nothing complete was touched: "
+        return CheckpointError(f"saving {final} failed: {root_cause(err)}. Nothing complete was touched: "
                                f"{', '.join(kept) or 'no earlier checkpoint'} in {self.folder} "
                                f"{'are' if len(kept) > 1 else 'is'} intact")
 
