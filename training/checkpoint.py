@@ -46,8 +46,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from meshtrain.training.checkpoint_reader import DamagedCheckpointError, SafeReader, UnsafeCheckpointError, damage
+from meshtrain.training.console import say_lr_changed
+from meshtrain.training.faults import NonFiniteError
+from meshtrain.training.resume_compat import config_differences, model_differences
+from meshtrain.training.rewind import load_step_in_effect, set_aside_newer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -93,36 +98,6 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
                 warnings.warn(f"skipping damaged checkpoint {path}: its DCP metadata or meta.json "
                               "is missing", stacklevel=2)
     return sorted(found)
-
-
-# What may change between a run and its resumption without making it another experiment:
-# the layout (checkpoints reshard), the length of the run, logging, checkpointing, timeouts.
-_MAY_CHANGE = {"job": {"name", "output_dir", "description", "device"}, "training": {"steps", "local_batch_size"},
-               "parallelism": None, "checkpoint": None, "metrics": None, "comm": None,
-               "activation_checkpoint": None, "compile": None}
-
-
-def config_differences(saved_toml: str, current_toml: str) -> list[str]:
-    """Settings that differ between two configs, except those a resume may change."""
-    from meshtrain.training.config_loader import tomllib
-
-    from meshtrain.training.config import JobConfig
-    from meshtrain.training.config_loader import config_to_dict
-
-    saved, current = tomllib.loads(saved_toml), tomllib.loads(current_toml)
-    # A key the schema has gained since the save stood at its default then; a key it has
-    # lost since changes nothing now.
-    defaults = config_to_dict(JobConfig())
-    found = []
-    for section in sorted(current):
-        allowed = _MAY_CHANGE.get(section, set())
-        if allowed is None:
-            continue
-        a, b = {**defaults.get(section, {}), **saved.get(section, {})}, current[section]
-        for key in sorted(b):
-            if key not in allowed and a.get(key) != b[key]:
-                found.append(f"[{section}] {key}: {a.get(key)!r} then, {b[key]!r} now")
-    return found
 
 
 def model_state(parts: list[nn.Module]) -> dict:
@@ -193,6 +168,11 @@ class CheckpointManager:
         skipped: list[str] = []   # rank 0's account of what was passed over, for the error
         failed: list[str] = []
         older_than = None         # after a failed read, look below that step
+        if self.rank == 0 and load_step:  # a rewind this run already made (training/rewind.py)
+            found = complete_checkpoints(self.folder)
+            load_step, note = load_step_in_effect(self.folder, load_step, found[-1][0] if found else None)
+            if note:
+                print(f"meshtrain: {note}", flush=True)
         while True:
             choice = [None]
             if self.rank == 0:
@@ -205,13 +185,20 @@ class CheckpointManager:
                 break
             path = Path(value)
             try:
-                return self.load(path)
+                step, data_state = self.load(path)
             except _ReadFailure as err:  # the same on every rank: DCP gathers the ranks' errors
                 failed.append(f"{path.name}: {err}")
                 older_than = int(_STEP_DIR.match(path.name).group(1))
                 if self.rank == 0:
                     warnings.warn(f"checkpoint {path} could not be read ({err}); trying the one before",
                                   stacklevel=2)
+                continue
+            if self.rank == 0 and load_step:
+                newer = [p for s, p in complete_checkpoints(self.folder) if s > step]
+                done = set_aside_newer(self.folder, step, newer)
+                if done:
+                    print(f"meshtrain: {done}", flush=True)
+            return step, data_state
         if failed:
             raise CheckpointError(f"no checkpoint in {self.folder} could be read: {'; '.join(failed)}. Move "
                                   f"the damaged folders away to start from scratch")
@@ -245,11 +232,15 @@ class CheckpointManager:
     def load(self, path: Path) -> tuple[int, dict]:
         meta = json.loads((path / "meta.json").read_text())
         saved_config = json.loads((path / "model_config.json").read_text())
-        if saved_config != self.model_config:
-            diff = ", ".join(f"{k}: checkpoint {saved_config.get(k)} vs this run {v}"
-                             for k, v in self.model_config.items() if saved_config.get(k) != v)
-            raise CheckpointError(f"checkpoint {path} is of another model ({diff}); point "
-                                  f"[job] output_dir / name elsewhere or change the model back")
+        model_diff = model_differences(saved_config, self.model_config)
+        if model_diff and self.if_config_differs != "resume":
+            raise CheckpointError(f"checkpoint {path} is of another model ({', '.join(model_diff[:6])}"
+                                  f"{', ...' if len(model_diff) > 6 else ''}); point [job] output_dir / name "
+                                  f"elsewhere or change the model back, or set [checkpoint] if_config_differs = "
+                                  f"\"resume\" if the weights still fit (their shapes are checked as they load)")
+        if model_diff and self.rank == 0:
+            warnings.warn(f"resuming {path}, written for another model config, because [checkpoint] "
+                          f"if_config_differs = \"resume\": {', '.join(model_diff)}", stacklevel=2)
         saved_job = path / "job_config.toml"
         if self.if_config_differs != "resume" and saved_job.is_file():
             diff = config_differences(saved_job.read_text(), self.job_config_text)
@@ -292,6 +283,9 @@ class CheckpointManager:
                 full.update({k: v for k, v in state["optimizer"].items() if k in full})
                 set_optimizer_state_dict(part, opt, full, options=_FLAT)
             self.schedulers.load_state_dict(meta["lr_scheduler"])
+            saved_peak = (meta["lr_scheduler"].get("base_lrs") or [None])[0]
+            if saved_peak is not None and saved_peak != self.schedulers.peak_lr:
+                say_lr_changed(saved_peak, self.schedulers.peak_lr, meta["step"], self.schedulers.get_last_lr()[0])
         return meta["step"], meta.get("dataloader", {})
 
     def _read_tied_from_source(self, opt: dict) -> tuple[dict, list]:
@@ -342,6 +336,12 @@ class CheckpointManager:
         else:
             state["optimizer"] = optimizer_state(self.parts, self.optimizers)
             state["rng"] = rng_state()
+        if not _finite_on_every_rank([*state["model"].values(), *state.get("optimizer", {}).values()]):
+            # An update that overflowed (lr far too high) leaves inf/NaN weights behind a
+            # finite loss. Saved, they would be the checkpoint every restart resumes from.
+            raise NonFiniteError(f"step {step}: the weights or optimizer state are not finite (inf/NaN), so "
+                                 f"step {step} was not saved; {self.newest()}. An update overflowed: lower "
+                                 f"[optimizer] lr")
         meta = {"step": step, "model_only": model_only, "dataloader": data_state,
                 "lr_scheduler": self.schedulers.state_dict(), "rng": "rng" in state}
         dist.barrier()  # the stale .tmp is gone on every rank's view before anyone writes
@@ -364,6 +364,12 @@ class CheckpointManager:
                 self._finalize(tmp, final, meta, started)
             except (Exception, CheckpointException) as err:
                 raise self._save_failed(final, err) from err
+
+    def newest(self) -> str:
+        """Where a rerun resumes from, in words."""
+        kept = complete_checkpoints(self.folder)
+        return (f"the newest complete checkpoint is {kept[-1][1].name} in {self.folder}" if kept else
+                f"there is no complete checkpoint in {self.folder}")
 
     def _save_failed(self, final: Path, err: BaseException) -> "CheckpointError":
         kept = [p.name for _, p in complete_checkpoints(self.folder)]
@@ -392,6 +398,21 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.finish_pending()
+
+
+def _finite_on_every_rank(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor of every rank is finite: each rank checks its own shards (one
+    device sync), then one all-reduce tells all of them, so all refuse the save together."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    # The flag travels on the process group's device (NCCL: the GPU), wherever a tensor
+    # lives (CPU offload keeps parameters on the host).
+    nccl = dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    flags = [(~torch.isfinite(t)).any().to(device) for t in local if t.is_floating_point() and t.numel()]
+    bad = (torch.stack(flags).any() if flags else torch.tensor(False, device=device)).float().reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bad.item()
 
 
 def _write(path: Path, text: str) -> None:
