@@ -17,10 +17,16 @@ from __future__ import annotations
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")
 
 
+def file_problem(config_class, hf: dict, path: str) -> str | None:
+    """What is wrong in ``hf`` (the file's dict, at ``path``) for ``config_class``, found
+    before transformers reads it (which would only log a warning about it), or None."""
+    return _rope_problem(config_class, hf, path)
+
+
 def config_problem(config, hf: dict, path: str) -> str | None:
-    """Why the transformers ``config`` built from ``hf`` (the file's dict, at ``path``)
-    cannot run, naming the key and the file; None when nothing is wrong."""
-    return _rope_problem(config, hf, path) or _heads_problem(config, hf, path)
+    """Why the transformers ``config`` built from ``hf`` cannot run, naming the key and the
+    file; None when nothing is wrong."""
+    return _heads_problem(config, hf, path)
 
 
 def _rope_types(rope: dict) -> list[str]:
@@ -34,11 +40,10 @@ def _rope_types(rope: dict) -> list[str]:
     return [kind] if isinstance(kind, str) else []
 
 
-def _rope_problem(config, hf: dict, path: str) -> str | None:
+def _rope_problem(config_class, hf: dict, path: str) -> str | None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    text = config.get_text_config()
-    own = getattr(text, "default_rope_type", "default")
+    own = getattr(config_class, "default_rope_type", "default")  # e.g. an axial RoPE as the default
     known = {"default", own, *ROPE_INIT_FUNCTIONS}
     for key in _ROPE_KEYS:
         unknown = [t for where in (hf, hf.get("text_config") or {}) for t in _rope_types(where.get(key))

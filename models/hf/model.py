@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.models.common import fsdp_units, vocab_parallel_ends
 from meshtrain.models.hf.config import HFConfig, HFModelError, config_path, read_hf_config
-from meshtrain.models.hf.config_checks import config_problem
+from meshtrain.models.hf.config_checks import config_problem, file_problem
 from meshtrain.models.hf.tp_styles import STYLES, refusal, translate
 from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
 from meshtrain.parallel.mesh import LayoutError
@@ -63,6 +63,9 @@ def build_hf(where: str, *, hf: dict | None = None, n_layers: int = 0, block_cla
     hf = hf if hf is not None else read_hf_config(where)
     cls = causal_lm_class(hf)
     path = str(config_path(where)) if where else "the model's config.json"
+    problem = file_problem(cls.config_class, hf, path)
+    if problem:
+        raise HFModelError(problem)
     # transformers checks a config as it reads it and builds the model: a ValueError says
     # what is wrong. A number of the wrong type or a zero it divides by is the file's
     # fault too, and so reported, not a traceback.
