@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -18,17 +18,32 @@ from meshtrain.parallel.init import canonical_name
 
 
 def tensor_files(hf_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (model.safetensors, or an index's)."""
+    """Tensor name -> the safetensors file holding it (model.safetensors, or an index's).
+    Every file is opened once here, which reads its header and checks that the data it
+    describes is all there: a truncated download or a shard the index names but the folder
+    lacks is a ValueError naming the file, found before any weight is read."""
     index = hf_dir / "model.safetensors.index.json"
     if (hf_dir / "model.safetensors").is_file():
-        with safe_open(hf_dir / "model.safetensors", framework="pt") as f:
-            return dict.fromkeys(f.keys(), hf_dir / "model.safetensors")
+        return dict.fromkeys(_names_in(hf_dir / "model.safetensors"), hf_dir / "model.safetensors")
     if index.is_file():
-        files = {k: hf_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {k: hf_dir / f for k, f in weight_map.items()}
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object whose \"weight_map\" maps each "
+                             f"tensor to its file): {type(err).__name__}: {err}") from None
         root = hf_dir.resolve()
         outside = sorted({str(f) for f in files.values() if root not in f.resolve().parents})
         if outside:  # an index may only point at shards beside it
             raise ValueError(f"{index} names files outside {hf_dir}: {', '.join(outside[:3])}")
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise ValueError(f"{index} puts {sum(f == shard for f in files.values())} tensors in "
+                                 f"{shard.name}, which is missing from {hf_dir}; download it again")
+            absent = sorted(k for k, f in files.items() if f == shard and k not in _names_in(shard))
+            if absent:
+                raise ValueError(f"{index} puts {absent[0]} in {shard.name}, which does not hold it "
+                                 f"({len(absent)} such tensors): the index and the shards are of different downloads")
         return files
     pickled = sorted(p.name for p in hf_dir.glob("pytorch_model*.bin"))
     if pickled:
@@ -37,6 +52,18 @@ def tensor_files(hf_dir: Path) -> dict[str, Path]:
             "meshtrain reads safetensors only. Convert once where you trust the file: "
             "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) writes safetensors")
     raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def _names_in(path: Path) -> set[str]:
+    """The tensor names a safetensors file holds; ValueError naming the file when it cannot
+    be read (safetensors checks on opening that the header is whole and that the data it
+    describes fits the file, so a truncated file is found here)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({err}); it may be truncated: "
+                         f"download it again") from None
 
 
 @torch.no_grad()
@@ -55,9 +82,12 @@ def fill_from_safetensors_(model: torch.nn.Module, hf_dir: Path, stored_name: Ca
             stored = stored_name(name, files)
             if stored not in files:
                 raise ValueError(f"{stored} (the model's {name}) is missing from the weights in {hf_dir}")
-            if files[stored] not in opened:
-                opened[files[stored]] = stack.enter_context(safe_open(files[stored], framework="pt"))
-            source = opened[files[stored]].get_slice(stored)
+            try:  # tensor_files checked every file; this one may have changed since
+                if files[stored] not in opened:
+                    opened[files[stored]] = stack.enter_context(safe_open(files[stored], framework="pt"))
+                source = opened[files[stored]].get_slice(stored)
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"{files[stored]}: cannot read {stored} ({err})") from None
             if tuple(source.get_shape()) != tuple(param.shape):
                 raise ValueError(f"{stored} has shape {tuple(source.get_shape())} in the checkpoint, "
                                  f"but the model's {name} is {tuple(param.shape)} (checkpoint: {hf_dir})")

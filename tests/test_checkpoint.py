@@ -182,7 +182,7 @@ def test_a_checkpoint_of_another_experiment_is_refused_unless_told_to_resume(out
 def test_a_key_the_schema_gained_or_lost_since_the_save_is_no_difference():
     """A checkpoint written before [model] n_layers existed (and with [job] debug, since
     removed) resumes; a real change of setting is still named."""
-    from meshtrain.training.checkpoint import config_differences
+    from meshtrain.training.resume_compat import config_differences
     from meshtrain.training.config_loader import config_to_toml, load_config
 
     now = config_to_toml(load_config("debug_2d"))

@@ -106,7 +106,7 @@ def test_a_model_that_is_not_a_causal_lm_or_that_transformers_refuses_is_refused
     assert f'[model] hf_config = "{t5}"' in message and 'model_type "t5" is not a causal language model' in message
     odd = extra_config(tmp_path, "odd", **{**COMMON, "num_attention_heads": 12}, model_type="bert")
     message = refusal(tmp_path, f"--model.hf_config={odd}")
-    assert "transformers cannot build BertLMHeadModel from it" in message and "(12)" in message
+    assert f"transformers cannot build BertLMHeadModel from {odd}/config.json" in message and "(12)" in message
 
 
 def test_config_problems_name_the_key_and_the_file(tmp_path):

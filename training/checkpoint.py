@@ -46,8 +46,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from meshtrain.training.checkpoint_reader import DamagedCheckpointError, SafeReader, UnsafeCheckpointError, damage
+from meshtrain.training.console import say_lr_changed
+from meshtrain.training.faults import NonFiniteError
+from meshtrain.training.resume_compat import config_differences, model_differences
+from meshtrain.training.rewind import load_step_in_effect, set_aside_newer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -61,19 +66,20 @@ class _ReadFailure(Exception):
     """This checkpoint could not be read (resume then tries the one before)."""
 
 
-def _root_cause(err: BaseException) -> str:
+def root_cause(err: BaseException) -> str:
     """The innermost OSError's words (a full disk, a read-only folder), else the error itself.
     DCP wraps each rank's failure in a CheckpointException that lists them all."""
     failures = getattr(err, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
     if failures:
         rank, (first, _) = min(failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {_root_cause(first)}"
+        return f"rank {rank}: {root_cause(first)}"
     seen = err
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno is not None:
             return f"{os.strerror(seen.errno)} ({seen.filename or 'in the checkpoint folder'})"
         seen = seen.__cause__ or seen.__context__
-    return f"{type(err).__name__}: {err}"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""  # torch's are paragraphs: one line
+    return f"{type(err).__name__}: {first}"
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -92,38 +98,6 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
                 warnings.warn(f"skipping damaged checkpoint {path}: its DCP metadata or meta.json "
                               "is missing", stacklevel=2)
     return sorted(found)
-
-
-# What may change between a run and its resumption without making it another experiment:
-# the layout (checkpoints reshard), the length of the run, logging, checkpointing, timeouts,
-# and evaluation -- all but [validation] split, which decides what training reads.
-_MAY_CHANGE = {"job": {"name", "output_dir", "description", "device"}, "training": {"steps", "local_batch_size"},
-               "parallelism": None, "checkpoint": None, "metrics": None, "comm": None,
-               "activation_checkpoint": None, "compile": None,
-               "validation": {"enable", "interval", "steps", "dataset", "dataset_path"}}
-
-
-def config_differences(saved_toml: str, current_toml: str) -> list[str]:
-    """Settings that differ between two configs, except those a resume may change."""
-    from meshtrain.training.config_loader import tomllib
-
-    from meshtrain.training.config import JobConfig
-    from meshtrain.training.config_loader import config_to_dict
-
-    saved, current = tomllib.loads(saved_toml), tomllib.loads(current_toml)
-    # A key the schema has gained since the save stood at its default then; a key it has
-    # lost since changes nothing now.
-    defaults = config_to_dict(JobConfig())
-    found = []
-    for section in sorted(current):
-        allowed = _MAY_CHANGE.get(section, set())
-        if allowed is None:
-            continue
-        a, b = {**defaults.get(section, {}), **saved.get(section, {})}, current[section]
-        for key in sorted(b):
-            if key not in allowed and a.get(key) != b[key]:
-                found.append(f"[{section}] {key}: {a.get(key)!r} then, {b[key]!r} now")
-    return found
 
 
 def model_state(parts: list[nn.Module]) -> dict:
@@ -159,13 +133,15 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def check_same_model(path: Path, model_config: dict, advice: str) -> None:
-    """The checkpoint holds this architecture (its model_config.json), or CheckpointError."""
-    saved_config = json.loads((path / "model_config.json").read_text())
-    if saved_config != model_config:
-        diff = ", ".join(f"{k}: checkpoint {saved_config.get(k)} vs this run {v}"
-                         for k, v in model_config.items() if saved_config.get(k) != v)
-        raise CheckpointError(f"checkpoint {path} is of another model ({diff}); {advice}")
+def check_same_model(path: Path, model_config: dict, advice: str, *, may_differ: bool = False) -> list[str]:
+    """The checkpoint holds this architecture (its model_config.json, compared by what
+    defines the model: `model_differences`), or CheckpointError ending in ``advice``. With
+    ``may_differ`` the differences are returned instead of refused."""
+    diff = model_differences(json.loads((path / "model_config.json").read_text()), model_config)
+    if diff and not may_differ:
+        raise CheckpointError(f"checkpoint {path} is of another model ({', '.join(diff[:6])}"
+                              f"{', ...' if len(diff) > 6 else ''}); {advice}")
+    return diff
 
 
 def load_model(path: Path, parts: list[nn.Module], model_config) -> int:
@@ -222,6 +198,11 @@ class CheckpointManager:
         skipped: list[str] = []   # rank 0's account of what was passed over, for the error
         failed: list[str] = []
         older_than = None         # after a failed read, look below that step
+        if self.rank == 0 and load_step:  # a rewind this run already made (training/rewind.py)
+            found = complete_checkpoints(self.folder)
+            load_step, note = load_step_in_effect(self.folder, load_step, found[-1][0] if found else None)
+            if note:
+                print(f"meshtrain: {note}", flush=True)
         while True:
             choice = [None]
             if self.rank == 0:
@@ -234,13 +215,20 @@ class CheckpointManager:
                 break
             path = Path(value)
             try:
-                return self.load(path)
+                step, data_state = self.load(path)
             except _ReadFailure as err:  # the same on every rank: DCP gathers the ranks' errors
                 failed.append(f"{path.name}: {err}")
                 older_than = int(_STEP_DIR.match(path.name).group(1))
                 if self.rank == 0:
                     warnings.warn(f"checkpoint {path} could not be read ({err}); trying the one before",
                                   stacklevel=2)
+                continue
+            if self.rank == 0 and load_step:
+                newer = [p for s, p in complete_checkpoints(self.folder) if s > step]
+                done = set_aside_newer(self.folder, step, newer)
+                if done:
+                    print(f"meshtrain: {done}", flush=True)
+            return step, data_state
         if failed:
             raise CheckpointError(f"no checkpoint in {self.folder} could be read: {'; '.join(failed)}. Move "
                                   f"the damaged folders away to start from scratch")
@@ -273,8 +261,13 @@ class CheckpointManager:
 
     def load(self, path: Path) -> tuple[int, dict]:
         meta = json.loads((path / "meta.json").read_text())
-        check_same_model(path, self.model_config,
-                         "point [job] output_dir / name elsewhere or change the model back")
+        model_diff = check_same_model(
+            path, self.model_config, "point [job] output_dir / name elsewhere or change the model back, or set "
+            "[checkpoint] if_config_differs = \"resume\" if the weights still fit (their shapes are checked as "
+            "they load)", may_differ=self.if_config_differs == "resume")
+        if model_diff and self.rank == 0:
+            warnings.warn(f"resuming {path}, written for another model config, because [checkpoint] "
+                          f"if_config_differs = \"resume\": {', '.join(model_diff)}", stacklevel=2)
         saved_job = path / "job_config.toml"
         if self.if_config_differs != "resume" and saved_job.is_file():
             diff = config_differences(saved_job.read_text(), self.job_config_text)
@@ -301,7 +294,7 @@ class CheckpointManager:
         try:
             dcp.load(state, storage_reader=reader)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-            raise _ReadFailure(_root_cause(err)) from err
+            raise _ReadFailure(root_cause(err)) from err
         with torch.no_grad():
             for copy, source in copies:  # this rank holds both: the copy takes the source's values
                 copy.copy_(opt[source])
@@ -317,6 +310,9 @@ class CheckpointManager:
                 full.update({k: v for k, v in state["optimizer"].items() if k in full})
                 set_optimizer_state_dict(part, opt, full, options=_FLAT)
             self.schedulers.load_state_dict(meta["lr_scheduler"])
+            saved_peak = (meta["lr_scheduler"].get("base_lrs") or [None])[0]
+            if saved_peak is not None and saved_peak != self.schedulers.peak_lr:
+                say_lr_changed(saved_peak, self.schedulers.peak_lr, meta["step"], self.schedulers.get_last_lr()[0])
         return meta["step"], meta.get("dataloader", {})
 
     def _read_tied_from_source(self, opt: dict) -> tuple[dict, list]:
@@ -367,6 +363,12 @@ class CheckpointManager:
         else:
             state["optimizer"] = optimizer_state(self.parts, self.optimizers)
             state["rng"] = rng_state()
+        if not _finite_on_every_rank([*state["model"].values(), *state.get("optimizer", {}).values()]):
+            # An update that overflowed (lr far too high) leaves inf/NaN weights behind a
+            # finite loss. Saved, they would be the checkpoint every restart resumes from.
+            raise NonFiniteError(f"step {step}: the weights or optimizer state are not finite (inf/NaN), so "
+                                 f"step {step} was not saved; {self.newest()}. An update overflowed: lower "
+                                 f"[optimizer] lr")
         meta = {"step": step, "model_only": model_only, "dataloader": data_state,
                 "lr_scheduler": self.schedulers.state_dict(), "rng": "rng" in state}
         dist.barrier()  # the stale .tmp is gone on every rank's view before anyone writes
@@ -390,9 +392,15 @@ class CheckpointManager:
             except (Exception, CheckpointException) as err:
                 raise self._save_failed(final, err) from err
 
+    def newest(self) -> str:
+        """Where a rerun resumes from, in words."""
+        kept = complete_checkpoints(self.folder)
+        return (f"the newest complete checkpoint is {kept[-1][1].name} in {self.folder}" if kept else
+                f"there is no complete checkpoint in {self.folder}")
+
     def _save_failed(self, final: Path, err: BaseException) -> "CheckpointError":
         kept = [p.name for _, p in complete_checkpoints(self.folder)]
-        return CheckpointError(f"saving {final} failed: {_root_cause(err)}. Nothing complete was touched: "
+        return CheckpointError(f"saving {final} failed: {root_cause(err)}. Nothing complete was touched: "
                                f"{', '.join(kept) or 'no earlier checkpoint'} in {self.folder} "
                                f"{'are' if len(kept) > 1 else 'is'} intact")
 
@@ -417,6 +425,21 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.finish_pending()
+
+
+def _finite_on_every_rank(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor of every rank is finite: each rank checks its own shards (one
+    device sync), then one all-reduce tells all of them, so all refuse the save together."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    # The flag travels on the process group's device (NCCL: the GPU), wherever a tensor
+    # lives (CPU offload keeps parameters on the host).
+    nccl = dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    flags = [(~torch.isfinite(t)).any().to(device) for t in local if t.is_floating_point() and t.numel()]
+    bad = (torch.stack(flags).any() if flags else torch.tensor(False, device=device)).float().reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bad.item()
 
 
 def _write(path: Path, text: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -97,8 +98,12 @@ def damage(path) -> str | None:
     readable with what resume needs. Cheap (sizes only, no tensor is read), so resume can
     check before it loads and fall back past a damaged checkpoint. An index that asks for
     code is not damage: `read_index` refuses it (UnsafeCheckpointError)."""
-    from pathlib import Path
+    return tensor_damage(path) or _side_file_damage(path)
 
+
+def tensor_damage(path) -> str | None:
+    """What is wrong with a checkpoint folder's tensors (its DCP index and the shards the
+    index names), or None: what export needs, which reads no meta.json."""
     path = Path(path)
     index = path / ".metadata"
     if not index.is_file():
@@ -118,6 +123,11 @@ def damage(path) -> str | None:
             return f"shard {shard} is missing"
         if shard.stat().st_size < needed:
             return f"shard {shard} is truncated ({shard.stat().st_size:,} of at least {needed:,} bytes)"
+    return None
+
+
+def _side_file_damage(path) -> str | None:
+    path = Path(path)
     for name, keys in (("meta.json", ("step", "dataloader", "lr_scheduler")), ("model_config.json", ())):
         try:
             data = json.loads((path / name).read_text())

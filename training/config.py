@@ -182,12 +182,14 @@ class CheckpointSection:
     keep_latest_k: int = opt(0, "checkpoints to keep; 0 keeps all", min=0)
     async_save: bool = opt(False, "write checkpoints in the background while training goes on",
                            aliases=("async_mode",))
-    load_step: int = opt(0, "resume from this step's checkpoint; 0: the newest complete one", min=0)
+    load_step: int = opt(0, "resume from this step's checkpoint, moving newer ones aside (abandoned-TIME/); "
+                            "0: the newest complete one", min=0)
     last_save_model_only: bool = opt(False, "the last step saves model weights only (export_dtype)",
                                      aliases=("last_save_model_weights_only",))
     export_dtype: str = opt("float32", "dtype of the model-only last save", choices=DTYPES)
     if_config_differs: str = opt("refuse", "the newest checkpoint was written with another config "
-                                 "(model, data, optimizer...): refuse, or resume anyway",
+                                 "(model, data, optimizer...): refuse, or resume anyway (this config's lr "
+                                 "applies)",
                                  choices=("refuse", "resume"))
     initial_load_hf: str = opt("", "a Hugging Face folder (config.json + *.safetensors; Llama, or the "
                                'model of [model] name = "hf") to start from when there is no '

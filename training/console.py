@@ -33,6 +33,14 @@ def say_nothing_to_do(start_step: int, steps: int, checkpoint) -> None:
               flush=True)
 
 
+def say_lr_changed(saved_peak: float, peak: float, step: int, lr: float) -> None:
+    """A resumed run whose [optimizer] lr differs from the checkpoint's: the config wins
+    (training/optim.py, Schedulers.load_state_dict), and the user sees which lr applies."""
+    if dist.get_rank() == 0:
+        print(f"meshtrain: [optimizer] lr = {peak:g} applies from step {step + 1} (lr {lr:g} there, on this run's "
+              f"schedule); the checkpoint was trained at peak lr {saved_peak:g}", flush=True)
+
+
 def say_stopped(signal_name: str, step: int, checkpoint) -> None:
     if dist.get_rank() == 0:
         saved = "checkpoint saved; run the same command to resume" if checkpoint else \

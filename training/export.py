@@ -25,11 +25,14 @@ from typing import Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.models import registry
 from meshtrain.parallel.init import canonical_name
-from meshtrain.training.checkpoint_reader import SafeReader
+from meshtrain.training.checkpoint import root_cause
+from meshtrain.training.checkpoint_reader import SafeReader, tensor_damage
+from meshtrain.training.export_target import check_target, staged
 from meshtrain.training.config import DTYPES
 from meshtrain.training.config_loader import tomllib
 
@@ -40,7 +43,10 @@ def read_family(checkpoint_dir: str | Path) -> str:
     path = Path(checkpoint_dir) / "job_config.toml"
     if not path.is_file():
         return "llama"
-    return tomllib.loads(path.read_text()).get("model", {}).get("name", "llama")
+    try:
+        return tomllib.loads(path.read_text()).get("model", {}).get("name", "llama")
+    except (ValueError, UnicodeDecodeError) as err:  # TOMLDecodeError is a ValueError
+        raise ValueError(f"{path} is not TOML ({err}): the checkpoint is damaged") from None
 
 
 def read_model_config(checkpoint_dir: str | Path):
@@ -52,7 +58,12 @@ def read_model_config(checkpoint_dir: str | Path):
     if family not in registry.FAMILIES:
         raise ValueError(f"{path}: unknown model family {family!r}; known: {', '.join(registry.FAMILIES)}")
     cls = registry.get(family).config_class()
-    fields = json.loads(path.read_text())
+    try:
+        fields = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not JSON ({err}): the checkpoint is damaged") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} holds a {type(fields).__name__}, not the model's config: the checkpoint is damaged")
     known = {f.name for f in dataclasses.fields(cls)}
     if unknown := sorted(set(fields) - known):
         raise ValueError(f"{path}: unknown {cls.__name__} fields {', '.join(unknown)}")
@@ -94,7 +105,9 @@ def model_tensors(checkpoint_dir: str | Path,
 
 
 def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None) -> None:
-    checkpoint_dir = Path(checkpoint_dir)
+    """Write the checkpoint's model to ``out``; an earlier export there is replaced only once
+    the new one is complete (training/export_target.py)."""
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint folder {checkpoint_dir} does not exist")
     steps = sorted((p for p in checkpoint_dir.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
@@ -104,23 +117,30 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
             f"{checkpoint_dir} is a run's checkpoint folder, not one step's; export a step folder, "
             f"e.g. {steps[-1]} (steps saved: {', '.join(str(int(p.name[5:])) for p in steps)})")
     cfg = read_model_config(checkpoint_dir)
-    tensors = model_tensors(checkpoint_dir, dtype)
     family = registry.get(read_family(checkpoint_dir))
-    if fmt == "hf":
-        if not family.hf:
-            raise ValueError(f"{checkpoint_dir} holds a {family.name} model, which has no Hugging Face "
-                             "converter (models/registry.py); Hugging Face export is for Llama. Use --format torch")
-        family.hf_module().save_hf(tensors, cfg, out)
-    else:
-        state = dict(tensors)
-        with torch.device("meta"):  # only to ask which names are one weight
-            ties = family.model_class()(cfg).tied_weights()
-        for names in ties:
-            # One tensor under every name (stored once), as the model's state_dict has it.
-            for name in names[1:]:
-                state[name] = state[names[0]]
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out)
+    if fmt == "hf" and not family.hf:
+        raise ValueError(f"{checkpoint_dir} holds a {family.name} model, which has no Hugging Face "
+                         "converter (models/registry.py); Hugging Face export is for Llama. Use --format torch")
+    check_target(out, fmt)
+    if not (checkpoint_dir / ".metadata").is_file():
+        raise FileNotFoundError(f"{checkpoint_dir} is not a torch.distributed.checkpoint folder (no .metadata)")
+    # Sizes only, no tensor read: a truncated or missing shard is named before anything is written.
+    problem = tensor_damage(checkpoint_dir)
+    if problem:
+        raise ValueError(f"{checkpoint_dir} is damaged ({problem}); export another step, e.g. an earlier one")
+    tensors = model_tensors(checkpoint_dir, dtype)
+    with staged(out, fmt) as tmp:
+        if fmt == "hf":
+            family.hf_module().save_hf(tensors, cfg, tmp)
+        else:
+            state = dict(tensors)
+            with torch.device("meta"):  # only to ask which names are one weight
+                ties = family.model_class()(cfg).tied_weights()
+            for names in ties:
+                # One tensor under every name (stored once), as the model's state_dict has it.
+                for name in names[1:]:
+                    state[name] = state[names[0]]
+            torch.save(state, tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         export(args.checkpoint_dir, args.out, args.format, getattr(torch, args.dtype) if args.dtype else None)
     except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: no safetensors
         print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except CheckpointException as err:  # DCP could not read a shard the size check passed
+        print(f"meshtrain: error: reading {args.checkpoint_dir} failed, a shard is damaged ({root_cause(err)}); "
+              f"nothing at {args.out} was changed. Export another step, e.g. an earlier one", file=sys.stderr,
+              flush=True)
         return 2
     out = Path(args.out)
     size = sum(f.stat().st_size for f in (out.rglob("*") if out.is_dir() else [out]) if f.is_file())

@@ -80,6 +80,8 @@ class step_phase:
 def is_collective_failure(err: BaseException) -> bool:
     """gloo and NCCL report a peer that died or a wait that timed out as RuntimeError
     (DistBackendError / DistNetworkError are subclasses) with these words."""
+    if isinstance(err, (NonFiniteError, CollectiveFailure)):  # ours, whatever words a path in it holds
+        return False
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(
         word in text for word in ("timed out", "timeout", "connection closed", "connection reset",
@@ -100,13 +102,19 @@ def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, checkpo
     if t.nonfinite == "stop" or skipped > t.max_skipped_steps:
         saved = ""
         if checkpoint is not None and step > 1:  # the weights are still those after step - 1
-            checkpoint.save(step - 1, data_state=data.state_dict())
-            checkpoint.close()
-            saved = f" The last good state is checkpointed as step {step - 1}."
+            try:
+                checkpoint.save(step - 1, data_state=data.state_dict())
+                checkpoint.close()
+                saved = f" The last good state is checkpointed as step {step - 1}."
+            except NonFiniteError:  # step - 1's own update overflowed: that state is not good either
+                saved = (f" The weights after step {step - 1} are not finite either (its update overflowed), so "
+                         f"they were not saved; {checkpoint.newest()}.")
         why = "[training] nonfinite = \"stop\"" if t.nonfinite == "stop" else \
             f"{skipped} steps skipped, more than [training] max_skipped_steps = {t.max_skipped_steps}"
+        resume = " (to resume a checkpoint at a lower lr, also set [checkpoint] if_config_differs = \"resume\")" \
+            if checkpoint is not None else ""
         raise NonFiniteError(f"step {step}: loss {loss}, grad_norm {grad_norm} ({why}).{saved} Lower the learning "
-                             f"rate, check the data, or set nonfinite = \"skip\".")
+                             f"rate{resume}, check the data, or set nonfinite = \"skip\".")
     if dist.get_rank() == 0:
         print(f"meshtrain: warning: step {step}: loss {loss}, grad_norm {grad_norm}; step skipped "
               f"({skipped} of at most {t.max_skipped_steps})", file=sys.stderr, flush=True)

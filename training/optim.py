@@ -128,13 +128,25 @@ class Schedulers:
     def get_last_lr(self) -> list[float]:
         return self.schedulers[0].get_last_lr()
 
+    @property
+    def peak_lr(self) -> float:
+        return self.schedulers[0].base_lrs[0]
+
     def state_dict(self) -> dict:
         return self.schedulers[0].state_dict()  # identical for every part
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume the schedule at the saved step, with this run's peak lr: the saved state
+        holds the peak lr of the run that wrote it (``base_lrs``), and a rerun with a lower
+        [optimizer] lr -- the usual answer to a non-finite stop -- must train at that lr,
+        not silently at the old one. Warmup and decay follow this run's config too (the
+        schedule function is this run's), so the config wins throughout."""
         for sched in self.schedulers:
+            state = {**state, "base_lrs": list(sched.base_lrs)}
             sched.load_state_dict(state)
-            # LambdaLR sets the lr only on step(); the next optimizer step must already
-            # use the resumed step's lr, not the first step's.
-            for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr()):
+            # The saved lr of the saved step was the old peak's; LambdaLR sets the lr only
+            # on step(), and the next optimizer step must already use the resumed step's
+            # lr at this run's peak, not the first step's nor the old run's.
+            sched._last_lr = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+            for group, lr in zip(sched.optimizer.param_groups, sched._last_lr):
                 group["lr"] = lr

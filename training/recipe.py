@@ -184,6 +184,14 @@ def _check_inputs(cfg: JobConfig) -> None:
         blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
         if blocking is not None:  # found now, not by the TensorBoard writer after the first step
             raise ConfigError(f'{key}: "{blocking}" is a file, but the run writes a folder there ({path})')
+        # A link to a folder that is gone (an unmounted disk, a moved scratch space) looks
+        # like no folder at all: resume would find no checkpoint and start at step 0, and
+        # the first save would fail. Refuse it now, before a step is spent.
+        dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+        if dangling is not None:
+            raise ConfigError(f'{key}: "{dangling}" is a link to "{os.readlink(dangling)}", which does not '
+                              f"exist (an unmounted disk or a moved folder?); mount or recreate it, or point "
+                              f"{key} elsewhere")
     for section, data in (("training", t), ("validation", cfg.validation)):
         if data.dataset == "text" and not (data.dataset_path and os.path.exists(data.dataset_path)):
             raise ConfigError(f'[{section}] dataset = "text" needs dataset_path = a file or folder of text; '
@@ -210,6 +218,15 @@ def _check_inputs(cfg: JobConfig) -> None:
             json.loads(Path(hf, "config.json").read_text())
         except (ValueError, UnicodeDecodeError) as err:
             raise ConfigError(f"[checkpoint] initial_load_hf: {Path(hf, 'config.json')} is not JSON ({err})") from None
+        try:  # every weight file's header: a truncated download is named now, not mid-load on each rank
+            from meshtrain.models.safetensors_files import tensor_files
+
+            tensor_files(Path(hf))
+        except ImportError:
+            raise ConfigError('[checkpoint] initial_load_hf reads safetensors, which is not installed: '
+                              'pip install "meshtrain[hf]" (or pip install safetensors)') from None
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"[checkpoint] initial_load_hf: {err}") from None
 
 
 def check_speed_options(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -324,6 +341,8 @@ def open_checkpoint(cfg: JobConfig, run: Parts, optimizer, scheduler, data, run_
     c = cfg.checkpoint
     if not c.enable:
         return None, 0
+    # Its own lock: the folder may lie outside the run folder, shared by mistake with another run.
+    claim_folder(run_dir / c.folder, run_dir=run_dir, key="[checkpoint] folder")
     checkpoint = CheckpointManager(run_dir / c.folder, parts=run.modules, optimizers=optimizer,
                                    schedulers=scheduler, model_config=run.model.cfg,
                                    job_config_text=config_to_toml(cfg), interval=c.interval,
@@ -348,6 +367,11 @@ def load_hf_weights(cfg: JobConfig, run: Parts) -> None:
 
 
 def claim_run_dir(run_dir: Path) -> None:
+    """One run per folder (training/run_lock.py)."""
+    claim_folder(run_dir)
+
+
+def claim_folder(folder: Path, *, run_dir: Path | None = None, key: str | None = None) -> None:
     """Rank 0 takes the folder's lock (training/run_lock.py); every rank learns the answer,
     so a second job on the same folder stops on all its ranks at once."""
     import torch.distributed as dist
@@ -357,10 +381,9 @@ def claim_run_dir(run_dir: Path) -> None:
     refusal = [None]
     if dist.get_rank() == 0:
         try:
-            run_lock.acquire(run_dir)
+            run_lock.acquire(folder, run_dir=run_dir, key=key)
         except ConfigError as err:
             refusal[0] = str(err)
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0]:
         raise ConfigError(refusal[0])
-

@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtrain.models.common import fsdp_units, vocab_parallel_ends
-from meshtrain.models.hf.config import HFConfig, HFModelError, read_hf_config
+from meshtrain.models.hf.config import HFConfig, HFModelError, config_path, read_hf_config
+from meshtrain.models.hf.config_checks import config_problem, file_problem
 from meshtrain.models.hf.tp_styles import STYLES, refusal, translate
 from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
 from meshtrain.parallel.mesh import LayoutError
@@ -61,15 +62,29 @@ def build_hf(where: str, *, hf: dict | None = None, n_layers: int = 0, block_cla
     word, relative to the base model) replaces ``base_model_tp_plan``."""
     hf = hf if hf is not None else read_hf_config(where)
     cls = causal_lm_class(hf)
-    try:  # transformers checks a config as it builds the model: a ValueError says what is wrong
+    path = str(config_path(where)) if where else "the model's config.json"
+    problem = file_problem(cls.config_class, hf, path)
+    if problem:
+        raise HFModelError(problem)
+    # transformers checks a config as it reads it and builds the model: a ValueError says
+    # what is wrong. A number of the wrong type or a zero it divides by is the file's
+    # fault too, and so reported, not a traceback.
+    try:
         config = cls.config_class.from_dict({**hf, **({"num_hidden_layers": n_layers} if n_layers else {})})
-        config.use_cache = False
-        if getattr(config, "_attn_implementation", None) in (None, "flash_attention_2", "flash_attention_3"):
-            config._attn_implementation = "sdpa"  # no extra package; flash kernels through torch's SDPA
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as err:
+        raise HFModelError(f"transformers cannot read {path} as a {cls.config_class.__name__}: {err}") from None
+    # What transformers accepts here but would fail on in the first forward.
+    problem = config_problem(config, hf, path)
+    if problem:
+        raise HFModelError(problem)
+    config.use_cache = False
+    if getattr(config, "_attn_implementation", None) in (None, "flash_attention_2", "flash_attention_3"):
+        config._attn_implementation = "sdpa"  # no extra package; flash kernels through torch's SDPA
+    try:
         with torch.device("meta"):
             model = cls(config)
-    except ValueError as err:
-        raise HFModelError(f"transformers cannot build {cls.__name__} from it: {err}") from None
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as err:
+        raise HFModelError(f"transformers cannot build {cls.__name__} from {path}: {err}") from None
     model.__class__ = _meshtrain_class(cls)
     model._mt_setup(config, block_classes, tp_plan)
     return model
