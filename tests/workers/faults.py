@@ -46,10 +46,15 @@ elif mode == "stall":
             time.sleep(seconds)
 elif mode == "nan":
     when, argv = int(argv[0]), argv[1:]
-    real_loss = step_module.cross_entropy
     poisoned = [False]
-    step_module.cross_entropy = lambda logits, labels: real_loss(logits, labels) * (
-        float("nan") if poisoned[0] else 1.0)
+
+    def poison(real_loss):
+        return lambda logits, labels: real_loss(logits, labels) * (float("nan") if poisoned[0] else 1.0)
+
+    # The step sums token losses (and divides by the global count); the mean is what a
+    # pipeline's loss function uses before a step has set its scale.
+    step_module.summed_cross_entropy = poison(step_module.summed_cross_entropy)
+    step_module.cross_entropy = poison(step_module.cross_entropy)
 
     def before(step):
         poisoned[0] = step == when
