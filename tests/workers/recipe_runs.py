@@ -53,7 +53,9 @@ def tp_placements(modules) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
-def run(argv: list[str]) -> dict:
+def build_run(argv: list[str]):
+    """What train.py builds before its loop, on CPU, for the config ``argv`` names:
+    (cfg, model, layout, mesh, parts, data, optimizer, scheduler, step)."""
     cfg, _ = parse_args(argv)
     t = cfg.training
     torch.manual_seed(t.seed)
@@ -67,6 +69,12 @@ def run(argv: list[str]) -> dict:
     data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size, held_out=cfg.validation.split)
     optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
     step = recipe.build_step(cfg, layout, parts, optimizer, torch.device("cpu"))
+    return cfg, model, layout, mesh, parts, data, optimizer, scheduler, step
+
+
+def run(argv: list[str]) -> dict:
+    cfg, model, layout, mesh, parts, data, optimizer, scheduler, step = build_run(argv)
+    t = cfg.training
     result = {"losses": [], "grad_norms": []}
     for n in range(1, t.steps + 1):
         loss, norm = step(data.batch(n - 1), n)

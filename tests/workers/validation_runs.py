@@ -18,28 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.parallel import mesh_coordinate, shutdown_distributed, submesh
-from meshtrain.training import recipe
-from meshtrain.training.config_loader import parse_args
-from meshtrain.training.data import build_dataloader, build_tokenizer
+from meshtrain.parallel import shutdown_distributed, submesh
 from meshtrain.training.evaluate import Validation
-from tests.workers.recipe_runs import full_weights
+from tests.workers.recipe_runs import build_run, full_weights
 
 
 def run(argv: list[str]) -> dict:
-    cfg, _ = parse_args(argv)
+    cfg, model, layout, mesh, parts, data, optimizer, scheduler, step = build_run(argv)
     t = cfg.training
-    torch.manual_seed(t.seed)
-    model = recipe.build_model(cfg, build_tokenizer(t.tokenizer).vocab_size)
-    layout = recipe.plan_layout(cfg, model)
-    mesh = layout.build_mesh("cpu")
-    parts = recipe.build_parts(cfg, layout, mesh, model)
-    for part in parts.modules:
-        part.init_weights(seed=t.seed, device="cpu")
-    dp_rank, dp_size = mesh_coordinate(mesh, "dp")
-    data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size, held_out=cfg.validation.split)
-    optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
-    step = recipe.build_step(cfg, layout, parts, optimizer, torch.device("cpu"))
     validation = Validation(cfg, layout, parts, torch.device("cpu"))
     result = {"losses": [], "grad_norms": []}
     for n in range(1, t.steps + 1):  # trained away from the initial weights first
