@@ -24,6 +24,9 @@ def losses(stdout: str) -> list[float]:
 def run_torchrun(script: str, *args: str) -> list[float]:
     proc = torchrun(script, *args, nproc=4)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # A rank aborting at exit after its work is done (parallel/mesh.py's shutdown race):
+    # every 4-process run here watches for it, beside tests/test_reliability.py's repeats.
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
     return losses(proc.stdout)
 
 
