@@ -13,19 +13,28 @@
   generator (as dropout would) without restoring it; train.py not holding the tail out.
 - `meshtrain evaluate` on the run's last checkpoint gives the in-run final evaluation's
   number (same layout: exactly; one process: within fp32 rounding).
+- On fine-tuning records (dataset = "sft", a held-out split of whole records) the
+  validation loss is the mean over the counted (response) tokens of all its batches:
+  it equals transformers' own *ForCausalLM given the held-out sequences with -100 labels,
+  in one process (fast) and in four layouts of the same torchrun job (FSDP with
+  accumulation, dp x tp, a 1F1B pipeline, cp 2), and a mean of per-sequence or per-batch
+  means is another number on that data. No held-out record is ever in a training batch.
 
 The data and config rules are fast tests below.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,6 +46,9 @@ from meshtrain.training.data import DataLoader, build_dataloader, build_tokenize
 from meshtrain.training.evaluate import checkpoint_folder, parse_command_line, validation_loader
 from tests import oracle, train_oracle
 from tests.conftest import ROOT, torchrun
+from tests.hf_configs import write_config
+from tests.in_process import ENV_KEYS
+from tests.test_sft import records, reference_labels, write_jsonl
 
 VAL = ["--validation.split=0.05", "--validation.steps=2"]
 # Evaluated after every step (and once more at the end, for the number compared).
@@ -85,13 +97,30 @@ def plain_validation_loss(argv: list[str], weights: dict[str, torch.Tensor]) -> 
     return sum(losses) / len(losses)
 
 
+# Fine-tuning records with a held-out split (`sft_argv`, below), in the same torchrun job:
+# transformers' Qwen2 under FSDP with accumulation, dp x tp with loss_parallel, and a 1F1B
+# pipeline; meshtrain's Llama (exported to transformers' LlamaForCausalLM for the
+# reference) under cp 2, which transformers' models do not run yet.
+SFT_LAYOUTS = {
+    "sft_fsdp4_accum": ["--parallelism.dp_shard=4", "--parallelism.tp=1", "--training.local_batch_size=1"],
+    "sft_dp2_tp2_loss_parallel": ["--parallelism.dp_shard=2", "--parallelism.tp=2"],
+    "sft_pp2_1f1b_dp2": ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=1",
+                         "--parallelism.pp_schedule=1F1B"],
+    "sft_cp2_dp2_llama": ["--parallelism.cp=2", "--parallelism.dp_shard=2", "--parallelism.tp=1"],
+}
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("val_layouts")
     runs = {name: [*BASE, *flags, f"--job.output_dir={root}", f"--job.name={name}"]
             for name, flags in {**LAYOUTS, **TWINS}.items()}
+    sft_data(root)
+    runs.update({name: sft_argv(root, "--training.steps=1", *flags, f"--job.output_dir={root}", f"--job.name={name}",
+                                native=name.endswith("_llama"))
+                 for name, flags in SFT_LAYOUTS.items()})
     (root / "runs.json").write_text(json.dumps(runs))
-    proc = torchrun("tests/workers/validation_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
+    proc = torchrun("tests/workers/validation_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: (runs[name], torch.load(root / f"{name}.pt")) for name in runs}
 
@@ -107,6 +136,24 @@ def test_validation_loss_equals_plain_pytorch_cross_entropy(layouts, layout):
     want = plain_validation_loss(argv, got["final"])
     assert abs(got["val/loss"] - want) <= 1e-5 * want, (layout, got["val/loss"], want)
     assert got["val/perplexity"] == pytest.approx(math.exp(got["val/loss"]), rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(SFT_LAYOUTS))
+def test_sft_validation_loss_equals_transformers_in_every_layout(layouts, layout, tmp_path):
+    """Fine-tuning records, a held-out split of them, 2 validation batches: each layout's
+    val/loss, after a training step, equals transformers' own *ForCausalLM holding that
+    run's weights, given the held-out sequences with -100 labels -- its mean over their
+    response tokens -- to 1e-5; the mean of per-sequence means (micro-batches of one, as
+    sft_fsdp4_accum cuts them) is another number on this data.
+    Plants (run by hand): training/step.py's token_loss_scale without its all-reduce
+    (each rank divides by its own count); Validation back to per-micro-batch means.
+    Each fails this test."""
+    argv, got = layouts[layout]
+    want = transformers_validation_loss(argv, got["final"], sft_rows(), tmp_path)
+    assert abs(got["val/loss"] - want["loss"]) <= 1e-5 * want["loss"], (layout, got["val/loss"], want)
+    assert got["val/perplexity"] == pytest.approx(math.exp(got["val/loss"]), rel=1e-12)
+    assert abs(want["per_sequence"] - want["loss"]) > 10 * 1e-5 * want["loss"], want
 
 
 @pytest.mark.slow
@@ -281,9 +328,10 @@ def test_validation_data_smaller_than_a_batch_is_refused_naming_the_key_and_file
 
 @pytest.mark.parametrize("flags,message", [
     (["--validation.enable=true"], "--validation.enable=true, but [validation] has no data: set split"),
-    (["--validation.split=0.1", "--validation.dataset=stdlib"], "--validation.split=0.1 holds out the end"),
+    (["--validation.split=0.1", "--validation.dataset=stdlib"], "--validation.split=0.1 holds out part of the"),
     (["--validation.dataset=tokens"], "needs [validation] dataset_path = a folder prepared by `meshtrain prepare-data`"),
-    (["--validation.dataset_path=x"], 'is read only with [validation] dataset = "text" or "tokens"'),
+    (["--validation.dataset=sft"], "needs [validation] dataset_path = a .jsonl/.parquet file, a folder of them"),
+    (["--validation.dataset_path=x"], 'is read only with [validation] dataset = "text", "tokens" or "sft"'),
     (["--validation.split=1"], "--validation.split=1.0 is out of range; accepted: >= 0 and < 1"),
     (["--validation.interval=0"], "--validation.interval=0 is out of range; accepted: >= 1"),
     (["--validation.every=3"], "unknown key 'every' in [validation]. Accepted keys of [validation]: enable"),
@@ -335,3 +383,187 @@ def test_evaluate_command_help_and_one_line_errors(tmp_path, capsys):
     assert cli.main(["evaluate", str(tmp_path / "nowhere"), "--config", "debug_2d", *VAL]) == 2
     err = capsys.readouterr().err
     assert err.startswith("meshtrain: error: meshtrain evaluate: no checkpoint folder at") and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- sft
+
+SFT_SPLIT = 0.2
+
+
+def sft_rows() -> list[dict]:
+    return records(200, seed=11)
+
+
+def sft_data(root: Path) -> list[dict]:
+    """In ROOT: a tiny Qwen2 config.json (qwen2/) and 200 prompt/response records
+    (records.jsonl) of varied lengths; returns the records. The Qwen2 starts with large
+    weights: peaked logits, so token losses differ widely and a mean of means shows."""
+    config = write_config(root / "qwen2", "qwen2") / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "initializer_range": 0.5}))
+    rows = sft_rows()
+    write_jsonl(root / "records.jsonl", rows)
+    return rows
+
+
+def sft_argv(root: Path, *flags: str, native: bool = False) -> list[str]:
+    """Fine-tuning on ROOT's records with SFT_SPLIT of them held out and 2 validation
+    batches: transformers' Qwen2 from ROOT's config.json, or (``native``) meshtrain's
+    debug Llama, which context parallelism needs."""
+    model = ["--config", "debug_2d"] if native else ["--config", "hf_debug", f"--model.hf_config={root / 'qwen2'}"]
+    return [*model, *sft_flags(root), *flags]
+
+
+def sft_flags(root: Path) -> list[str]:
+    """`sft_argv`'s data and validation: the model is the default one unless given."""
+    return ["--training.dataset=sft", f"--training.dataset_path={root / 'records.jsonl'}",
+            "--training.document_masking=false", "--training.seq_len=96", "--training.global_batch_size=8",
+            f"--validation.split={SFT_SPLIT}", "--validation.steps=2"]
+
+
+def transformers_model(cfg, weights: dict[str, torch.Tensor], folder: Path):
+    """transformers' own *ForCausalLM (not a meshtrain class) holding ``weights``: for
+    `[model] name = "hf"` the class of its config.json, loaded by parameter name; for
+    meshtrain's Llama, LlamaForCausalLM.from_pretrained of the weights written as a
+    Hugging Face folder (FOLDER)."""
+    import transformers
+
+    shape = recipe.build_model(cfg, build_tokenizer(cfg.training.tokenizer).vocab_size)
+    if cfg.model.name == "hf":
+        from meshtrain.models.hf.model import causal_lm_class
+
+        cls = causal_lm_class(shape.cfg.hf)
+        plain = cls(cls.config_class.from_dict(shape.cfg.hf))
+        assert {n for n, _ in plain.named_parameters()} <= set(weights)
+        plain.load_state_dict(weights, strict=False)  # a tied copy is the same tensor
+    else:
+        from meshtrain.models.llama.hf import save_hf
+
+        save_hf(weights.items(), shape.cfg, folder)
+        plain = transformers.LlamaForCausalLM.from_pretrained(folder)
+    assert type(plain).__module__.startswith("transformers.")
+    return plain.eval()
+
+
+def transformers_validation_loss(argv: list[str], weights: dict[str, torch.Tensor], rows: list[dict],
+                                 folder: Path) -> dict[str, float]:
+    """transformers' loss over every held-out sequence of the [validation] steps batches at
+    once, labels -100 but on the responses (found from the records' bytes, tests/test_sft.py):
+    "loss", the mean over the counted tokens. Beside it, what a mean of means would say:
+    "per_sequence" (the mean of each sequence's own mean: a micro-batch of one sequence)
+    and "per_batch" (the mean of each global batch's mean). From meshtrain only the
+    packed sequences of the held-out records, read as one data-parallel rank."""
+    cfg, _ = parse_args(argv)
+    plain = transformers_model(cfg, weights, folder)
+    held = validation_loader(cfg, dp_rank=0, dp_size=1)
+    bufs = np.concatenate([held.global_sequences(k)[0] for k in range(cfg.validation.steps)])
+    inputs = torch.from_numpy(bufs)
+    labels = torch.from_numpy(np.stack([reference_labels(b, rows) for b in bufs]))
+    G = cfg.training.global_batch_size
+    with torch.no_grad():
+        loss = lambda a, b: plain(input_ids=inputs[a:b], labels=labels[a:b]).loss.item()
+        return {"loss": loss(0, len(bufs)),
+                "per_sequence": sum(loss(i, i + 1) for i in range(len(bufs))) / len(bufs),
+                "per_batch": sum(loss(k, k + G) for k in range(0, len(bufs), G)) / (len(bufs) // G)}
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A gloo group of one rank in this process (parallel/mesh.py starts it), taken down
+    afterwards with the launcher's variables it set."""
+    import torch.distributed as dist
+
+    saved = {k: os.environ.pop(k) for k in ENV_KEYS if k in os.environ}
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key in ENV_KEYS:
+            os.environ.pop(key, None)
+        os.environ.update(saved)
+
+
+def test_sft_validation_loss_is_transformers_mean_over_the_held_out_response_tokens(tmp_path):
+    """One process, 4 micro-batches of 2 sequences per batch, 2 batches: val/loss equals
+    one forward of transformers' Qwen2ForCausalLM over all 16 held-out sequences with -100
+    labels (its mean over their response tokens), and val/perplexity is its exp. The mean
+    of per-sequence means and the mean of per-batch means are other numbers on this data,
+    so the check can tell them apart.
+    Plant (run by hand): Validation back to each micro-batch's mean divided by their count
+    and the batches' means averaged (what it did for pretraining) -- this test fails."""
+    from tests.workers.recipe_runs import build_run, full_weights
+    from meshtrain.training.evaluate import Validation
+
+    rows = sft_data(tmp_path)
+    argv = sft_argv(tmp_path, "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.local_batch_size=2")
+    with world_of_one():
+        cfg, model, layout, mesh, parts, *_ = build_run(argv)
+        got = Validation(cfg, layout, parts, torch.device("cpu")).run()
+        weights = full_weights(parts.modules, None, {a for names in model.tied_weights() for a in names[1:]})
+    want = transformers_validation_loss(argv, weights, rows, tmp_path / "hf")
+    assert abs(got["val/loss"] - want["loss"]) <= 1e-5 * want["loss"], (got, want)
+    assert got["val/perplexity"] == pytest.approx(math.exp(got["val/loss"]), rel=1e-12)
+    for mean_of_means in ("per_sequence", "per_batch"):
+        assert abs(want[mean_of_means] - want["loss"]) > 10 * 1e-5 * want["loss"], (mean_of_means, want)
+
+
+def _record_ids(buf: np.ndarray, rows: list[dict]) -> list[int]:
+    """The records packed in a sequence, by the tag each prompt starts with ("#17: ..."),
+    each checked whole (tests/test_sft.py `reference_labels`)."""
+    reference_labels(buf, rows)
+    return [int(t.split(b":")[0]) for t in bytes(buf[buf < 256].tolist()).split(b"#")[1:]]
+
+
+def test_a_held_out_sft_record_is_never_in_a_training_batch(tmp_path):
+    """[validation] split = 0.2 of 200 records: the held-out loader packs exactly 40 whole
+    records, every training batch of a whole epoch and more packs only the other 160, and
+    all of them -- for the .jsonl and for the folder `meshtrain prepare-data --kind sft`
+    made of it, at any seed, seq_len or dp size. They are spread over the file, not its
+    tail. Plant (run by hand): training/sft_files.py `held_out_records` giving the train
+    part every record -- this test fails."""
+    from meshtrain.training.prepare_data import main as prepare
+
+    rows = sft_data(tmp_path)
+    assert prepare([str(tmp_path / "records.jsonl"), "--kind", "sft", "--out", str(tmp_path / "prepared"),
+                    "--workers", "2"]) == 0
+    seen_held = []
+    for path, more in ((tmp_path / "records.jsonl", []), (tmp_path / "prepared", []),
+                       (tmp_path / "records.jsonl", ["--training.seed=7", "--training.seq_len=128"])):
+        cfg = load_config(None, [*sft_flags(tmp_path), *more, f"--training.dataset_path={path}"])
+        t = cfg.training
+        train, _ = build_dataloader(t, dp_rank=0, dp_size=1, held_out=SFT_SPLIT)
+        held = validation_loader(cfg, dp_rank=0, dp_size=1)
+        held_ids = {i for w in range(held.num_windows) for i in _record_ids(held.sequences(torch.tensor([w]))[0][0], rows)}
+        trained = set()
+        for step in range(train.num_windows // t.global_batch_size + 2):  # past one epoch: every sequence
+            trained |= {i for buf in train.global_sequences(step)[0] for i in _record_ids(buf, rows)}
+        assert len(held_ids) == math.floor(200 * SFT_SPLIT) and not held_ids & trained, path
+        assert held_ids | trained == set(range(200))
+        halves = [validation_loader(cfg, dp_rank=r, dp_size=2).batch(0)[0][0] for r in range(2)]
+        assert torch.equal(torch.cat(halves), held.global_batch(0)[0])  # two dp ranks: the same batch
+        seen_held.append(held_ids)
+    assert seen_held[0] == seen_held[1] == seen_held[2]
+    assert min(seen_held[0]) < 50 and max(seen_held[0]) > 150, "spread over the records, not a tail"
+
+
+def test_sft_validation_data_of_its_own_and_too_little_of_it(tmp_path):
+    """[validation] dataset = "sft" reads every record of its own dataset_path (training
+    then holds nothing out); too few records for [validation] steps batches, or a split
+    holding out too few, stops at start-up naming where the data came from."""
+    rows = sft_data(tmp_path)
+    write_jsonl(tmp_path / "val.jsonl", records(60, seed=12))
+    own = ["--validation.split=0", "--validation.dataset=sft", f"--validation.dataset_path={tmp_path / 'val.jsonl'}"]
+    cfg = load_config(None, [*sft_flags(tmp_path), *own, "--validation.steps=1"])
+    held = validation_loader(cfg, dp_rank=0, dp_size=1)
+    assert held.ids is None and len(held.lengths) == 60
+    train, _ = build_dataloader(cfg.training, dp_rank=0, dp_size=1, held_out=cfg.validation.split)
+    assert len(train.lengths) == len(rows)
+    cfg = load_config(None, [*sft_flags(tmp_path), *own, "--validation.steps=20"])
+    with pytest.raises(ConfigError, match=r'\[validation\] dataset = "sft", dataset_path = ".*val.jsonl": '
+                                          r"\[validation\] steps = 20 reads 160 sequences.*use steps <= \d$"):
+        validation_loader(cfg, dp_rank=0, dp_size=1)
+    cfg = load_config(None, [*sft_flags(tmp_path), "--validation.split=0.01"])
+    with pytest.raises(ConfigError, match=r'\[validation\] split = 0.01 of \[training\] dataset = "sft" \(".*records'
+                                          r'.jsonl"\): corpus too small: 2 records held out for validation of .* pack '
+                                          r"into 2 sequences"):
+        validation_loader(cfg, dp_rank=0, dp_size=1)

@@ -233,11 +233,15 @@ class ValidationSection:
     interval: int = opt(100, "evaluate every this many steps (and after the last step)", min=1)
     steps: int = opt(10, "batches of global_batch_size sequences per evaluation (the same batches every "
                      "time)", min=1)
-    split: float = opt(0.0, "the fraction at the end of the training data held out for validation (when "
-                       "dataset is empty); training never reads it, whether or not enable is on", min=0, lt=1)
-    dataset: str = opt("", "validation corpus, any kind training accepts: stdlib, text or tokens; empty: "
-                       "the held-out split of the training data", choices=("", "stdlib", "text", "tokens"))
-    dataset_path: str = opt("", "file or folder of the text dataset; the prepared folder for tokens")
+    split: float = opt(0.0, "the fraction of the training data held out for validation (when dataset is "
+                       "empty): the end of its token stream, or for sft whole records (a fixed selection); "
+                       "training never reads it, whether or not enable is on", min=0, lt=1)
+    dataset: str = opt("", "validation data, any kind training accepts: stdlib, text, tokens or sft (with "
+                       "[training]'s tokenizer and chat_template); empty: the held-out split of the training "
+                       "data", choices=("", "stdlib", "text", "tokens", "sft"))
+    dataset_path: str = opt("", "file or folder of the text dataset; the prepared folder for tokens; for sft "
+                            "a .jsonl/.parquet file, a folder of them, or a folder prepared by meshtrain "
+                            "prepare-data --kind sft")
 
 
 @dataclass

@@ -188,19 +188,22 @@ def check_validation(cfg: JobConfig, sources: dict | None = None, *, needed_by: 
     v, sources = cfg.validation, sources or {}
     where = lambda key: _where("validation", key, getattr(v, key), sources.get(("validation", key)))
     if v.split and v.dataset:
-        raise ConfigError(f'{where("split")} holds out the end of the training data, but [validation] '
+        raise ConfigError(f'{where("split")} holds out part of the training data, but [validation] '
                           f'dataset = "{v.dataset}" is a corpus of its own: use one or the other '
                           f"(split = 0 with a dataset)")
     if v.dataset_path and v.dataset in ("", "stdlib"):
-        raise ConfigError(f'{where("dataset_path")} is read only with [validation] dataset = "text" or '
-                          f'"tokens" (dataset is "{v.dataset}")')
-    if v.dataset in ("text", "tokens") and not v.dataset_path:
-        raise ConfigError(f'{where("dataset")} needs [validation] dataset_path = '
-                          + ("a file or folder of text" if v.dataset == "text" else
-                             "a folder prepared by `meshtrain prepare-data`"))
+        raise ConfigError(f'{where("dataset_path")} is read only with [validation] dataset = "text", '
+                          f'"tokens" or "sft" (dataset is "{v.dataset}")')
+    if v.dataset in ("text", "tokens", "sft") and not v.dataset_path:
+        raise ConfigError(f'{where("dataset")} needs [validation] dataset_path = ' + {
+            "text": "a file or folder of text",
+            "tokens": "a folder prepared by `meshtrain prepare-data`",
+            "sft": "a .jsonl/.parquet file, a folder of them, or a folder prepared by "
+                   "`meshtrain prepare-data --kind sft`"}[v.dataset])
     if needed_by and not (v.dataset or v.split):
         raise ConfigError(f"{needed_by}, but [validation] has no data: set split (e.g. 0.05: the last 5% of the training data "
-                          "is held out) or dataset (stdlib, text or tokens, with dataset_path)")
+                          'is held out; with dataset = "sft", 5% of its records) or dataset (stdlib, text, tokens or '
+                          "sft, with dataset_path)")
 
 
 def _check_hf_model(m, sources) -> None:

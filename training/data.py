@@ -238,8 +238,10 @@ def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int, held_out: floa
     """(DataLoader, tokenizer) from a training config (seq_len, global_batch_size,
     local_batch_size, seed, dataset, dataset_path, tokenizer; optional max_tokens).
     local_batch_size 0 means global_batch_size // dp_size: no gradient accumulation.
-    ``held_out``: the fraction at the end of the corpus kept for validation ([validation]
-    split); ``part`` "train" reads the rest, "held_out" that tail (`held_out_range`)."""
+    ``held_out``: the fraction of the corpus kept for validation ([validation] split): the
+    end of its token stream (`held_out_range`), or for "sft" whole records
+    (training/sft_files.py `held_out_records`); ``part`` "train" reads the rest, "held_out"
+    what is kept."""
     cfg = cfg_training
     local = cfg.local_batch_size or cfg.global_batch_size // dp_size
     if cfg.global_batch_size % dp_size or local < 1:
@@ -251,10 +253,8 @@ def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int, held_out: floa
                                     span=lambda n: held_out_range(n, held_out, part))
         return loader, tokenizer
     if cfg.dataset == "sft":  # records packed into sequences, labels -100 but on the responses
-        if held_out:
-            raise ConfigError('[validation] split holds out the end of a token stream; dataset = "sft" is '
-                              'records, which it cannot split yet: set [validation] split = 0')
-        return build_sft_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size), tokenizer
+        return build_sft_loader(cfg, tokenizer, local=local, dp_rank=dp_rank, dp_size=dp_size, held_out=held_out,
+                                part=part), tokenizer
     tokens = load_tokens(cfg.dataset, cfg.dataset_path, cfg.tokenizer, getattr(cfg, "max_tokens", None))
     start, stop = held_out_range(len(tokens), held_out, part)
     if (start, stop) != (0, len(tokens)):

@@ -7,12 +7,15 @@ command, the test loop.
 
     meshtrain evaluate outputs/debug_2d/checkpoint --config debug_2d --validation.split 0.05 --nproc-per-node 4
 
-The loss is the mean cross-entropy over every token of the first [validation] steps
-batches of the validation data (the same batches each time), computed like the training
-step's: each rank's mean over its own tokens, averaged over dp and cp, where every rank
-holds as many tokens; a pipeline runs its schedule's forward-only ``eval`` through the
-same stages, and the last stage's losses are shared over pp. So it is one number whatever
-the layout.
+The loss is the training loss's definition (training/step.py) over all the first
+[validation] steps batches of the validation data (the same batches each time): the
+per-token cross-entropies summed over the whole mesh -- every dp and cp rank, every
+micro-batch, the pipeline's last stage -- divided by the number of tokens counted
+(labels other than -100). Fine-tuning data ("sft") counts its response tokens only, so a
+batch of long responses weighs more than one of short ones, as each token does in
+training; pretraining data counts every token, and this is the plain mean cross-entropy.
+It is one number whatever the layout: a pipeline runs its schedule's forward-only
+``eval`` through the same stages, with the same loss function.
 
 Evaluating changes nothing training reads: no gradients (``torch.no_grad``), no optimizer
 or scheduler (it is never given them), its own data loader (the training loader's batches
@@ -32,7 +35,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -42,12 +44,13 @@ from meshtrain.training import recipe
 from meshtrain.training.config import ConfigError, JobConfig
 from meshtrain.training.data import build_dataloader
 from meshtrain.training.faults import step_phase
-from meshtrain.training.step import cross_entropy
+from meshtrain.training.step import TokenMeanLoss, global_token_mean, summed_cross_entropy, token_loss_scale
 
 
 def validation_loader(cfg: JobConfig, *, dp_rank: int, dp_size: int):
-    """This rank's loader over the validation data: [validation] dataset, or the held-out
-    end of the training data ([validation] split). Batches are cut like training's (same
+    """This rank's loader over the validation data: [validation] dataset, or the part of
+    the training data [validation] split holds out (the end of a token stream; for "sft", a
+    fixed selection of its records). Batches are cut like training's (same
     global and local batch, seq_len, seed), so the number is the same in every layout.
     Refuses data too small for [validation] steps batches, naming where it came from."""
     v, t = cfg.validation, cfg.training
@@ -94,36 +97,37 @@ class Validation:
     def run(self, step: int = 0) -> dict[str, float]:
         """{"val/loss", "val/perplexity"}, the same on every rank."""
         with step_phase(step, "validation"), torch.no_grad(), _untouched(self.modules, self.device):
+            micro_batches = [(split_sequence(inputs, self.split).to(self.device),
+                              split_sequence(labels, self.split).to(self.device))
+                             for k in range(self.steps) for inputs, labels in self.data.batch(k)]
+            # One count for all the batches (every rank takes part: each holds its labels),
+            # so the loss is the mean over their tokens, not a mean of per-batch means.
+            scale = token_loss_scale([labels for _, labels in micro_batches], self.dp_mesh, self.cp_mesh)
             total = torch.zeros((), device=self.device)
-            for k in range(self.steps):
-                total += self._batch_loss(self.data.batch(k))
-            total /= self.steps
-            # As the training step reports its loss: the pipeline's loss lives on the last
-            # stage (the sum over pp shares it); every dp and cp rank holds as many tokens.
-            if self.pp_mesh is not None:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_mesh.get_group())
-            for mesh in (self.dp_mesh, self.cp_mesh):
-                if mesh is not None:
-                    dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
-        loss = total.item()
+            for inputs, labels in micro_batches:
+                total += self._summed_loss(inputs, labels, scale)
+            loss = global_token_mean(total, self.dp_mesh, self.pp_mesh, self.cp_mesh)
         return {"val/loss": loss, "val/perplexity": math.exp(loss) if loss < 700 else math.inf}
 
-    def _batch_loss(self, micro_batches) -> torch.Tensor:
-        """This rank's mean cross-entropy over its tokens of one batch (on a pipeline rank
-        without the last stage: 0)."""
-        total = torch.zeros((), device=self.device)
-        for inputs, labels in micro_batches:
-            inputs = split_sequence(inputs, self.split).to(self.device)
-            labels = split_sequence(labels, self.split).to(self.device)
-            with loss_parallel_context(self.loss_parallel):
-                if self.schedule is None:
-                    losses = [cross_entropy(self.modules[0](inputs), labels) / len(micro_batches)]
-                else:  # each micro-batch's loss is already divided by the step's count of them
-                    losses = []
+    def _summed_loss(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        """This rank's summed token losses of one micro-batch times ``scale`` (on a pipeline
+        rank without the last stage: 0)."""
+        with loss_parallel_context(self.loss_parallel):
+            if self.schedule is None:
+                losses = [summed_cross_entropy(self.modules[0](inputs), labels) * scale]
+            else:  # the training step's loss function, given this evaluation's scale, then its own back
+                loss_fn, losses = self.schedule._loss_fn, []
+                if not isinstance(loss_fn, TokenMeanLoss):
+                    raise TypeError(f"validation needs the pipeline's loss_fn to be a TokenMeanLoss, not {loss_fn!r}")
+                kept, loss_fn.scale = loss_fn.scale, scale
+                try:
                     self.schedule.eval(*((inputs,) if self.first else ()), target=labels if self.last else None,
                                        losses=losses if self.last else None, return_outputs=False)
-            for loss in losses:
-                total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+                finally:
+                    loss_fn.scale = kept
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += loss.full_tensor() if isinstance(loss, DTensor) else loss
         return total
 
 

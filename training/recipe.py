@@ -199,11 +199,12 @@ def _check_inputs(cfg: JobConfig) -> None:
         if data.dataset == "tokens" and not os.path.isfile(os.path.join(data.dataset_path, "index.json")):
             raise ConfigError(f'[{section}] dataset = "tokens" needs dataset_path = a folder prepared by '
                               f'`meshtrain prepare-data`; no index.json in "{data.dataset_path}"')
-    if t.dataset == "sft" and not (t.dataset_path and os.path.exists(t.dataset_path)):
-        raise ConfigError(f'[training] dataset = "sft" needs dataset_path = a .jsonl/.parquet file, a folder of '
-                          f'them, or a folder prepared by `meshtrain prepare-data --kind sft`; '
-                          f'"{t.dataset_path}" does not exist')
-    if t.dataset == "sft" and t.chat_template == "tokenizer":  # a template the tokenizer lacks: now
+        if data.dataset == "sft" and not (data.dataset_path and os.path.exists(data.dataset_path)):
+            raise ConfigError(f'[{section}] dataset = "sft" needs dataset_path = a .jsonl/.parquet file, a folder '
+                              f'of them, or a folder prepared by `meshtrain prepare-data --kind sft`; '
+                              f'"{data.dataset_path}" does not exist')
+    # A chat template the tokenizer lacks: now.
+    if "sft" in (t.dataset, cfg.validation.dataset) and t.chat_template == "tokenizer":
         from meshtrain.training.chat_template import resolve
 
         resolve(t.chat_template, t.tokenizer)

@@ -169,14 +169,15 @@ def truncate(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return np.minimum(lengths, capacity)
 
 
-def sequence(tokens, mask, offsets, lengths, first: int, last: int, capacity: int, pad_id: int):
-    """(tokens, mask) of the packed sequence holding records [first, last): each record's
-    first ``lengths[r]`` tokens, then padding (mask 0) up to ``capacity``."""
+def sequence(tokens, mask, starts, lengths, first: int, last: int, capacity: int, pad_id: int):
+    """(tokens, mask) of the packed sequence holding records [first, last) of those packed:
+    each record's first ``lengths[r]`` tokens from ``starts[r]``, then padding (mask 0) up
+    to ``capacity``."""
     buf = np.full(capacity, pad_id, dtype=np.int64)
     keep = np.zeros(capacity, dtype=bool)
     at = 0
     for r in range(first, last):
-        start, n = int(offsets[r]), int(lengths[r])
+        start, n = int(starts[r]), int(lengths[r])
         buf[at:at + n] = tokens[start:start + n]
         keep[at:at + n] = mask[start:start + n]
         at += n

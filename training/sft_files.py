@@ -12,12 +12,20 @@ The loader packs records into sequences at start-up (one pass over the offsets, 
 a record) and shuffles sequences with the computed permutation of training/shuffle.py, so
 step k's global batch depends only on (seed, k, global_batch_size, seq_len) and every
 layout trains on the same sequences.
+
+[validation] split holds out whole records, never a token tail (`held_out_records`): a
+fixed selection of floor(split x records) of them, spread over the whole set by a
+computed permutation, so a set written file by file (one source after another) is not
+validated on its last source only. The selection depends on the number of records alone
+-- not the seed, seq_len, batch or layout -- so training never packs a held-out record,
+and two runs with other seeds validate on the same records.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import warnings
@@ -28,11 +36,15 @@ import torch
 
 from meshtrain.training import chat_template, sft
 from meshtrain.training.config import ConfigError
+from meshtrain.training.shuffle import permute, round_keys
 from meshtrain.training.token_files import TokenFileLoader, token_dtype
 
 FORMAT, VERSION = "meshtrain-sft", 1
 INDEX = "index.json"
 FILES = {"tokens": "tokens.bin", "mask": "mask.bin", "offsets": "offsets.bin"}
+# The permutation that picks held-out records: a constant, not [training] seed, so the
+# validation records stay the same when the seed changes.
+SPLIT_KEYS = round_keys(int.from_bytes(b"val-split", "big"), 0)
 
 
 class SFTRecords:
@@ -115,27 +127,50 @@ def index_checksum(index: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def held_out_records(n: int, held_out: float, part: str) -> np.ndarray | None:
+    """The ids (ascending) of the records of ``part`` among ``n``: "held_out" is floor(n x
+    held_out) of them, the first positions of a fixed computed permutation of [0, n);
+    "train" is every other one (None, meaning all, when nothing is held out)."""
+    k = math.floor(n * held_out)
+    if part == "train" and not k:
+        return None
+    if part not in ("train", "held_out"):
+        raise ValueError(f"part must be 'train' or 'held_out', got {part!r}")
+    chosen = np.zeros(n, dtype=bool)
+    chosen[permute(np.arange(k, dtype=np.int64), n, SPLIT_KEYS)] = True
+    return np.flatnonzero(chosen if part == "held_out" else ~chosen)
+
+
 class SFTLoader(TokenFileLoader):
     """The records packed into sequences of seq_len + 1 (training/sft.py), batched like
     windows: the same computed shuffle, rank slices and micro-batches as TokenFileLoader,
-    and (inputs, labels) with -100 wherever a token is not trained."""
+    and (inputs, labels) with -100 wherever a token is not trained. ``ids``: the records
+    to pack, ascending (a part of a held-out split); None: all of them."""
 
     _as_tokens = staticmethod(lambda records: records)
 
+    def __init__(self, records: SFTRecords, *, ids: np.ndarray | None = None, part: str = "", **batching):
+        self.ids, self.part = ids, part
+        super().__init__(records, **batching)
+
     def _count_windows(self) -> int:
         capacity = self.seq_len + 1
-        self.lengths = sft.truncate(np.diff(self.tokens.offsets), capacity)
+        offsets = self.tokens.offsets
+        self.starts, lengths = offsets[:-1], np.diff(offsets)  # of each record packed
+        if self.ids is not None:
+            self.starts, lengths = self.starts[self.ids], lengths[self.ids]
+        self.lengths = sft.truncate(lengths, capacity)
         self.first_record = sft.pack(self.lengths, capacity)  # of each sequence, and the end
         return len(self.first_record) - 1
 
     def _size_words(self) -> str:
-        return (f"{len(self.tokens):,} records of {self.tokens.source} pack into {self.num_windows:,} sequences "
-                f"of seq_len + 1 = {self.seq_len + 1} tokens")
+        return (f"{len(self.lengths):,} records{self.part} of {self.tokens.source} pack into {self.num_windows:,} "
+                f"sequences of seq_len + 1 = {self.seq_len + 1} tokens")
 
     def sequences(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, loss mask) of packed sequences ``ids``, [len(ids), seq_len + 1] each."""
         r = self.tokens
-        rows = [sft.sequence(r.tokens, r.mask, r.offsets, self.lengths, int(self.first_record[i]),
+        rows = [sft.sequence(r.tokens, r.mask, self.starts, self.lengths, int(self.first_record[i]),
                              int(self.first_record[i + 1]), self.seq_len + 1, r.pad_id) for i in ids.tolist()]
         return np.stack([b for b, _ in rows]), np.stack([k for _, k in rows])
 
@@ -155,9 +190,12 @@ class SFTLoader(TokenFileLoader):
         super(TokenFileLoader, self).load_state_dict(sd)
 
 
-def build_sft_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int) -> SFTLoader:
+def build_sft_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int, held_out: float = 0.0,
+                     part: str = "train") -> SFTLoader:
     """[training] dataset = "sft": a prepared folder (index.json) is memory-mapped, a .jsonl /
-    .parquet file or folder of them is tokenized now."""
+    .parquet file or folder of them is tokenized now. ``held_out``: the fraction of the
+    records kept for validation ([validation] split); ``part`` "train" packs the others,
+    "held_out" those (`held_out_records`)."""
     path = cfg.dataset_path
     if os.path.isfile(os.path.join(path, INDEX)):
         records = SFTRecords.from_folder(path)
@@ -171,5 +209,7 @@ def build_sft_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int) 
         warnings.warn('[training] document_masking = true is not implemented yet: records packed into one sequence '
                       "still attend to the records before them (the loss is only on each record's own response "
                       "tokens). See docs/finetuning.md", stacklevel=2)
-    return SFTLoader(records, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
+    ids = held_out_records(len(records), held_out, part)
+    words = "" if ids is None else " held out for validation" if part == "held_out" else " left for training"
+    return SFTLoader(records, ids=ids, part=words, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
                      local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)

@@ -182,15 +182,24 @@ def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, ski
     else:
         with step_phase(step, "optimizer step"):
             optimizer.step()
-    with step_phase(step, "loss reporting"):
-        # Reporting only: the gradients were already averaged by FSDP. Under a pipeline the
-        # loss exists on the last stage; the sum over pp shares it with every rank.
-        if pp_mesh is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
-        for mesh in (dp_mesh, cp_mesh):  # each rank's loss is dp * cp times its share: the mean
-            if mesh is not None:
-                dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
-    return total.item(), grad_norm.item()
+    with step_phase(step, "loss reporting"):  # reporting only: FSDP already averaged the gradients
+        loss = global_token_mean(total, dp_mesh, pp_mesh, cp_mesh)
+    return loss, grad_norm.item()
+
+
+def global_token_mean(total: torch.Tensor, dp_mesh: DeviceMesh | None = None, pp_mesh: DeviceMesh | None = None,
+                      cp_mesh: DeviceMesh | None = None) -> float:
+    """The mean over the whole mesh's counted tokens, the same on every rank, from this
+    rank's ``total``: its summed token losses times `token_loss_scale` (on a pipeline rank
+    without the last stage: 0). Under a pipeline the losses exist on the last stage; the
+    sum over pp shares them with every rank. Each rank's total is dp * cp times its share:
+    the average over dp and cp is the sum of the shares. ``total`` is reduced in place."""
+    if pp_mesh is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    for mesh in (dp_mesh, cp_mesh):
+        if mesh is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
+    return total.item()
 
 
 class TokenMeanLoss:

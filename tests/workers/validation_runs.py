@@ -1,8 +1,9 @@
 """Train several `train.py` command lines a few steps in one torchrun job -- evaluating
 between steps as train.py does when [validation] enable is on -- then evaluate each with
 training/evaluate.py, and record the losses, gradient norms, the validation loss and the
-full weights it was computed from (the plain-PyTorch reference in tests/test_validation.py
-recomputes it):
+full weights it was computed from (the references in tests/test_validation.py -- plain
+PyTorch for pretraining data, transformers' own models for fine-tuning records --
+recompute it):
 
     torchrun --nproc-per-node 4 tests/workers/validation_runs.py OUT_DIR RUNS.json
 
