@@ -93,9 +93,9 @@ class DataLoader:
             raise ValueError(f"step must be >= 0, got {step}")
         per_rank = self.global_batch_size // self.dp_size
         ids = self._window_ids(step * self.global_batch_size + self.dp_rank * per_rank, per_rank)
-        inputs, labels = self._windows(ids)
+        columns = self._windows(ids)  # inputs, labels (and positions: packed documents)
         self.position = step + 1
-        return list(zip(inputs.split(self.local_batch_size), labels.split(self.local_batch_size)))
+        return list(zip(*(c.split(self.local_batch_size) for c in columns)))
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.batch(self.position)
