@@ -42,7 +42,7 @@ from meshtrain.training import recipe
 from meshtrain.training.config import ConfigError, JobConfig
 from meshtrain.training.data import build_dataloader
 from meshtrain.training.faults import step_phase
-from meshtrain.training.step import cross_entropy
+from meshtrain.training.step import cross_entropy, model_kwargs, unpack
 
 
 def validation_loader(cfg: JobConfig, *, dp_rank: int, dp_size: int):
@@ -112,16 +112,17 @@ class Validation:
         """This rank's mean cross-entropy over its tokens of one batch (on a pipeline rank
         without the last stage: 0)."""
         total = torch.zeros((), device=self.device)
-        for inputs, labels in micro_batches:
+        for inputs, labels, positions in map(unpack, micro_batches):
             inputs = split_sequence(inputs, self.split).to(self.device)
             labels = split_sequence(labels, self.split).to(self.device)
+            kwargs = model_kwargs(positions, self.device)  # packed documents: as in training/step.py
             with loss_parallel_context(self.loss_parallel):
                 if self.schedule is None:
-                    losses = [cross_entropy(self.modules[0](inputs), labels) / len(micro_batches)]
+                    losses = [cross_entropy(self.modules[0](inputs, **kwargs), labels) / len(micro_batches)]
                 else:  # each micro-batch's loss is already divided by the step's count of them
                     losses = []
                     self.schedule.eval(*((inputs,) if self.first else ()), target=labels if self.last else None,
-                                       losses=losses if self.last else None, return_outputs=False)
+                                       losses=losses if self.last else None, return_outputs=False, **kwargs)
             for loss in losses:
                 total += loss.full_tensor() if isinstance(loss, DTensor) else loss
         return total
