@@ -5,19 +5,23 @@ The references run the records one at a time, unpacked, through models meshtrain
 not change for this: the native Llama called without positions (one document per
 sequence, causal SDPA as before), and transformers' own Qwen2ForCausalLM /
 LlamaForCausalLM. Which records a packed sequence holds, and which of their tokens are
-trained, is read from the records' own bytes (tests/test_sft.py's reference_labels), not
+trained, is read from the records' own bytes (as tests/test_sft.py's reference_labels does), not
 from meshtrain's packing code. Each reference loss is F.cross_entropy summed over the
 response tokens, divided by their count in the whole batch.
 
 Plants (run by hand, each fails the tests named):
-- models/documents.py's document_mask returning the plain causal mask (no document
-  boundary): the Llama, GPT-2 and bitwise-isolation tests fail;
+- models/documents.py's document_mask returning the plain causal mask: the Llama, GPT-2
+  and Llama bitwise-isolation tests (the Hugging Face models mask by themselves);
 - models/hf/model.py's forward not passing position_ids (transformers then sees one
-  document): the Hugging Face tests fail;
-- training/sft.py's sequence counting positions on across records (no reset): the
-  positions and GPT-2 tests fail. Rotary models cannot tell (RoPE depends on the
-  distance between positions only, and the mask already keeps documents apart); a
-  learned position table can.
+  document): both Hugging Face equality tests and the Qwen2 bitwise-isolation test;
+- training/sft.py's sequence counting positions on across records (no reset, and so no
+  boundary either): every fast test here;
+- GPT-2 looking up positions 0..s-1 with the mask kept: the GPT-2 test. The same plant
+  in the Llama (rotary tables by 0..s-1) fails nothing, and cannot: rotary attention
+  depends only on the distance between two positions, and the mask already keeps
+  records apart. A learned position table can tell;
+- training/step.py's pipeline step not passing positions to the schedule: the layouts
+  test, at its first pipeline layout.
 """
 
 from __future__ import annotations
@@ -282,9 +286,10 @@ def test_packed_runs_in_every_layout_equal_each_record_alone_in_one_process(layo
     is one) equals the same token losses averaged as validation averages them -- the mean
     over its pieces (data-parallel rank x micro-batch x pipeline micro-batch, and each
     sequence's cp pieces) of each piece's mean.
-    Plants (by hand): document_mask returning the causal mask -- every layout fails;
-    training/step.py's pipeline step not passing positions to the schedule -- the pp
-    layouts fail."""
+    At the initial weights attending across records moves the loss little (about 3e-5
+    relative, 3x the tolerance) but the gradients by thousands of times their tolerance.
+    Plant (by hand): training/step.py's pipeline step not passing positions to the
+    schedule -- fails at pp2_dp2_accum."""
     root, rows, results = layout_runs
     for name, got in results.items():
         want_loss, want_grads, losses, counted = one_process_reference(root, rows, name)
