@@ -302,4 +302,3 @@ def test_packed_runs_in_every_layout_equal_each_record_alone_in_one_process(layo
                   for l_, c in zip(lu.chunk(got["cp"], dim=1), cu.chunk(got["cp"], dim=1))]
         want_val = sum(pieces) / len(pieces)
         assert abs(got["val/loss"] - want_val) <= 1e-5 * want_val, (name, got["val/loss"], want_val)
-
