@@ -36,6 +36,13 @@ import torch.nn.functional as F
 
 from tests.test_sft import IGNORE, loader, records, write_jsonl
 
+def canonical(name: str) -> str:
+    """A parameter's name without the wrappers' parts (checkpoint_wrapper, torch.compile)."""
+    from meshtrain.parallel.init import canonical_name
+
+    return canonical_name(name)
+
+
 SEQ_LEN = 127  # positions up to 126: inside the tiny models' 128-row tables
 
 
@@ -154,6 +161,23 @@ def test_packed_llama_equals_each_record_alone_through_the_plain_llama(packed):
     loss, grads = packed_step(model, data)
     want = each_record_alone(reference, data.global_sequences(0)[0], rows)  # no positions: plain causal
     assert_same(loss, grads, want, reference)
+
+
+@pytest.mark.parametrize("ac,compiled", [("full", False), ("op", True)])
+def test_packed_llama_with_checkpointed_or_compiled_blocks_equals_each_record_alone(packed, ac, compiled):
+    """The blocks wrapped as [activation_checkpoint] / [compile] wrap them: the mask and the
+    per-token rotary angles go through checkpoint_wrapper and torch.compile(fullgraph)."""
+    from meshtrain.parallel.activation_checkpoint import apply_ac, apply_compile
+
+    rows, data = packed
+    model = native_llama()
+    reference = copy.deepcopy(model)
+    apply_ac(model.layers, ac)
+    if compiled:
+        apply_compile(model.layers)
+    loss, grads = packed_step(model, data)
+    want = each_record_alone(reference, data.global_sequences(0)[0], rows)
+    assert_same(loss, {canonical(n): g for n, g in grads.items()}, want, reference)
 
 
 def test_packed_gpt2_equals_each_record_alone(packed):
