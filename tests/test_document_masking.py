@@ -10,8 +10,9 @@ from meshtrain's packing code. Each reference loss is F.cross_entropy summed ove
 response tokens, divided by their count in the whole batch.
 
 Plants (run by hand, each fails the tests named):
-- models/documents.py's document_mask returning the plain causal mask: the Llama, GPT-2
-  and Llama bitwise-isolation tests (the Hugging Face models mask by themselves);
+- models/documents.py's document_mask returning the plain causal mask: the Llama (plain,
+  checkpointed, compiled), GPT-2 and Llama bitwise-isolation tests (the Hugging Face
+  models mask by themselves);
 - models/hf/model.py's forward not passing position_ids (transformers then sees one
   document): both Hugging Face equality tests and the Qwen2 bitwise-isolation test;
 - training/sft.py's sequence counting positions on across records (no reset, and so no
