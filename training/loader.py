@@ -88,7 +88,8 @@ class DataLoader:
         return self._windows(self._window_ids(step * self.global_batch_size, self.global_batch_size))
 
     def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of ``step``: (inputs, labels), int64 [local_batch_size, seq_len]."""
+        """This rank's micro-batches of ``step``: (inputs, labels), int64 [local_batch_size, seq_len]
+        (packed documents add each input's position: training/sft_files.py)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         per_rank = self.global_batch_size // self.dp_size
