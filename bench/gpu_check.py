@@ -15,6 +15,9 @@
    same options (bench/throughput.py's baseline), and reports the ratio.
 4. memory: the dry run's predicted peak for each eager row's exact config, next to
    torch.cuda.max_memory_allocated / max_memory_reserved.
+5. document masking: tokens/s of a packed, document-masked step next to the causal step
+   (bench/document_masking.py: 2 Llama-3-8B-shaped blocks, bf16, seq 2048 and 8192; one
+   short sequence on CPU). Target: masked >= 0.95x causal.
 
 Writes DIR/gpu_check.json, DIR/gpu_check.md and DIR/profile.txt (the top kernels of one
 compiled step). A row that would overrun ``--budget`` seconds is reported as skipped,
@@ -70,7 +73,8 @@ def parse_args(argv=None):
                    "(default 2; 1 on CPU)")
     p.add_argument("--rows", default="", help="comma-separated row names or 'eager' / 'compile' "
                    f"(default: all; eager rows on CPU). Rows: {'; '.join(ROWS)}")
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: checks, throughput, memory")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: checks, throughput, memory, "
+                   "document_masking")
     p.add_argument("--budget", type=float, default=530.0, help="seconds for the whole command: rows that "
                    "would not finish in time are skipped")
     args = p.parse_args(argv)
@@ -291,6 +295,28 @@ def run_rows(args, layers: int, mesh, device, deadline: float, env: dict, profil
     return rows, flops, n
 
 
+# ---------------------------------------------------------------- 5. document masking
+
+MASKING_SEQ_LENS = {"cuda": (2048, 8192), "cpu": (256,)}
+
+
+def masking_rows(device: torch.device, deadline: float) -> list[dict]:
+    """bench/document_masking.py's rows (causal vs masked tokens/s), or one row saying why
+    not: skipped when under a minute of the budget is left, the error when it failed."""
+    from bench import document_masking
+
+    if deadline - time.perf_counter() < 60:
+        return [{"skipped": "the --budget is spent"}]
+    try:
+        rows = document_masking.measure(device, MASKING_SEQ_LENS[device.type], steps=3 if device.type == "cuda" else 1)
+    except Exception as err:  # a result like any other: recorded, the report still written
+        return [{"error": f"{type(err).__name__}: {err}"}]
+    for r in rows:
+        print(f"gpu_check: document masking seq {r['seq_len']}: masked / causal {r['masked_over_causal']:.3f}",
+              flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------- report
 
 def markdown(result: dict) -> str:
@@ -332,6 +358,17 @@ def markdown(result: dict) -> str:
             ratio = m["predicted_gib"] / alloc if alloc else None
             lines.append(f"| {m['name']} | {m['predicted_gib']:.2f} | {_num(alloc, '.2f')} | "
                          f"{_num(m['max_reserved_gib'], '.2f')} | {_num(ratio, '.3f')} |")
+        lines.append("")
+    if result.get("document_masking"):
+        lines += ["## Document masking (packed documents vs causal)", "",
+                  "| seq | documents / sequence | causal tokens/s | masked tokens/s | masked / causal |",
+                  "|---:|---:|---:|---:|---:|"]
+        for r in result["document_masking"]:
+            if "seq_len" not in r:
+                lines.append(f"| {r.get('skipped') or r.get('error')} | | | | |")
+                continue
+            lines.append(f"| {r['seq_len']} | {r['documents_per_sequence']:.1f} | {r['causal_tokens_per_second']:,.0f} | "
+                         f"{r['masked_tokens_per_second']:,.0f} | {r['masked_over_causal']:.3f} |")
         lines.append("")
     for section, err in result.get("errors", {}).items():
         lines += [f"**{section} failed:** `{err.splitlines()[-1] if err else ''}`", ""]
@@ -402,6 +439,9 @@ def main(argv=None) -> dict:
                         "name": r["name"], "predicted_gib": predictions[r["ac"]],
                         "max_allocated_gib": ours.get("peak_memory_gib") if args.device == "cuda" else None,
                         "max_reserved_gib": ours.get("peak_reserved_gib")})
+        if "document_masking" not in args.skip:
+            result["document_masking"] = masking_rows(device, deadline)
+            save(result, args.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         result["seconds"] = time.perf_counter() - started

@@ -13,7 +13,10 @@ A model takes part through a plain attribute: every module with a ``context_para
 attribute (None by default) gets the `SequenceSplit` of the cp group from `apply_cp`; its
 attention calls `causal_attention(q, k, v, self.context_parallel)` (which exchanges around
 SDPA when the split is set), and a module that adds learned positions offsets them by
-`SequenceSplit.offset`.
+`SequenceSplit.offset`. Packed documents (models/documents.py): the model is given the
+positions of the *whole* sequence ([b, s], not split), since attention -- the mask and
+the rotary angles -- runs over the whole sequence after the exchange; a module with
+learned positions looks up its own piece (`split_sequence`).
 """
 
 from __future__ import annotations
@@ -64,17 +67,23 @@ class SequenceSplit:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit | None,
-                     rotate=None, **sdpa_kwargs) -> torch.Tensor:
+                     rotate=None, mask: torch.Tensor | None = None, **sdpa_kwargs) -> torch.Tensor:
     """Causal SDPA of q, k, v [b, s, heads, d] -> [b, s, heads, d], exchanging heads for
     the whole sequence first when ``split`` (context parallelism) is given, and back after.
     ``rotate(q, k)``: position encoding applied to the whole sequence (so with global
-    positions), e.g. rotary."""
+    positions), e.g. rotary. ``mask``: a boolean [b, 1, s, s] over the *whole* sequence
+    (models/documents.py), used instead of the plain causal mask; under context
+    parallelism it holds as it is, since each rank attends over the whole sequence."""
     if split is not None:
         q, k, v = split.heads_for_sequence(q, k, v)
     if rotate is not None:
         q, k = rotate(q, k)
     q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
-    out = rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs), "b h s d -> b s h d")
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
+    out = rearrange(out, "b h s d -> b s h d")
     return split.sequence_for_heads(out) if split is not None else out
 
 

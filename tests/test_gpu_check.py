@@ -40,6 +40,9 @@ def test_cpu_mode_runs_every_section_and_writes_the_documented_json(tmp_path):
     assert predicted["eager ac=none"] > predicted["eager ac=op"] > predicted["eager ac=full"] > 0
     table = (tmp_path / "gpu_check.md").read_text()
     assert "ours / baseline" in table and "predicted GiB" in table
+    masking = result["document_masking"]  # bench/document_masking.py's rows: causal vs masked step
+    assert masking and all(r["causal_tokens_per_second"] > 0 and r["masked_tokens_per_second"] > 0 for r in masking)
+    assert "masked / causal" in table
 
 
 

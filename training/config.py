@@ -108,11 +108,10 @@ class TrainingSection:
                              "tokenizer's folder, rendered by transformers), plain (meshtrain's, "
                              "docs/finetuning.md) or auto (the tokenizer's when it has one, else plain)",
                              choices=("auto", "tokenizer", "plain"))
-    document_masking: bool = opt(True, "attention stays inside each document; resolved per dataset: "
-                                 "applies to sft, whose records are packed several to a sequence, and is "
-                                 "ignored by stdlib/text/tokens (windows of one stream). Not implemented "
-                                 "yet: packed sft records still see the records before them (a warning "
-                                 "says so); the loss is on each record's own response either way")
+    document_masking: bool = opt(True, "sft: each packed record attends only to itself, its positions "
+                                 "counted from 0 (as if alone in its sequence); false: records see the ones "
+                                 "packed before them, positions run on. Ignored by stdlib/text/tokens, whose "
+                                 "windows of one stream are trained causally as they are (see docs/finetuning.md)")
     tokenizer: str = opt("byte", "byte, or the path of a Hugging Face tokenizer.json")
     mixed_precision_param: str = opt("float32", "dtype of parameters in forward/backward", choices=DTYPES)
     mixed_precision_reduce: str = opt("float32", "dtype of the gradient reduction", choices=DTYPES)

@@ -44,7 +44,8 @@ from meshtrain.training import recipe
 from meshtrain.training.config import ConfigError, JobConfig
 from meshtrain.training.data import build_dataloader
 from meshtrain.training.faults import step_phase
-from meshtrain.training.step import TokenMeanLoss, global_token_mean, summed_cross_entropy, token_loss_scale
+from meshtrain.training.step import (TokenMeanLoss, global_token_mean, model_kwargs, summed_cross_entropy,
+                                      token_loss_scale, unpack)
 
 
 def validation_loader(cfg: JobConfig, *, dp_rank: int, dp_size: int):
@@ -97,24 +98,25 @@ class Validation:
     def run(self, step: int = 0) -> dict[str, float]:
         """{"val/loss", "val/perplexity"}, the same on every rank."""
         with step_phase(step, "validation"), torch.no_grad(), _untouched(self.modules, self.device):
+            # Packed documents carry their positions whole (training/step.py's model_kwargs).
             micro_batches = [(split_sequence(inputs, self.split).to(self.device),
-                              split_sequence(labels, self.split).to(self.device))
-                             for k in range(self.steps) for inputs, labels in self.data.batch(k)]
+                              split_sequence(labels, self.split).to(self.device), model_kwargs(positions, self.device))
+                             for k in range(self.steps) for inputs, labels, positions in map(unpack, self.data.batch(k))]
             # One count for all the batches (every rank takes part: each holds its labels),
             # so the loss is the mean over their tokens, not a mean of per-batch means.
-            scale = token_loss_scale([labels for _, labels in micro_batches], self.dp_mesh, self.cp_mesh)
+            scale = token_loss_scale([labels for _, labels, _ in micro_batches], self.dp_mesh, self.cp_mesh)
             total = torch.zeros((), device=self.device)
-            for inputs, labels in micro_batches:
-                total += self._summed_loss(inputs, labels, scale)
+            for inputs, labels, kwargs in micro_batches:
+                total += self._summed_loss(inputs, labels, kwargs, scale)
             loss = global_token_mean(total, self.dp_mesh, self.pp_mesh, self.cp_mesh)
         return {"val/loss": loss, "val/perplexity": math.exp(loss) if loss < 700 else math.inf}
 
-    def _summed_loss(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+    def _summed_loss(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict, scale: float) -> torch.Tensor:
         """This rank's summed token losses of one micro-batch times ``scale`` (on a pipeline
         rank without the last stage: 0)."""
         with loss_parallel_context(self.loss_parallel):
             if self.schedule is None:
-                losses = [summed_cross_entropy(self.modules[0](inputs), labels) * scale]
+                losses = [summed_cross_entropy(self.modules[0](inputs, **kwargs), labels) * scale]
             else:  # the training step's loss function, given this evaluation's scale, then its own back
                 loss_fn, losses = self.schedule._loss_fn, []
                 if not isinstance(loss_fn, TokenMeanLoss):
@@ -122,7 +124,7 @@ class Validation:
                 kept, loss_fn.scale = loss_fn.scale, scale
                 try:
                     self.schedule.eval(*((inputs,) if self.first else ()), target=labels if self.last else None,
-                                       losses=losses if self.last else None, return_outputs=False)
+                                       losses=losses if self.last else None, return_outputs=False, **kwargs)
                 finally:
                     loss_fn.scale = kept
         total = torch.zeros((), device=self.device)

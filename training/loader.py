@@ -88,14 +88,15 @@ class DataLoader:
         return self._windows(self._window_ids(step * self.global_batch_size, self.global_batch_size))
 
     def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of ``step``: (inputs, labels), int64 [local_batch_size, seq_len]."""
+        """This rank's micro-batches of ``step``: (inputs, labels), int64 [local_batch_size, seq_len]
+        (packed documents add each input's position: training/sft_files.py)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         per_rank = self.global_batch_size // self.dp_size
         ids = self._window_ids(step * self.global_batch_size + self.dp_rank * per_rank, per_rank)
-        inputs, labels = self._windows(ids)
+        columns = self._windows(ids)  # inputs, labels (and positions: packed documents)
         self.position = step + 1
-        return list(zip(inputs.split(self.local_batch_size), labels.split(self.local_batch_size)))
+        return list(zip(*(c.split(self.local_batch_size) for c in columns)))
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.batch(self.position)

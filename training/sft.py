@@ -18,7 +18,10 @@ a record that does not fit in what is left of a sequence starts the next one), t
 padded with EOS and masked. A sequence's inputs are its first seq_len tokens, its labels
 the last seq_len with -100 wherever the mask is 0 -- the same (inputs, labels) shape as a
 pretraining window. A record longer than seq_len + 1 tokens is cut to its first seq_len + 1
-(counted, and said in a warning): the end of its response is not trained on.
+(counted, and said in a warning): the end of its response is not trained on. With
+[training] document_masking (the default) each token also gets its position in its own
+record, and the model attends inside each record only (models/documents.py), so a
+record is trained exactly as if it were alone in its sequence.
 """
 
 from __future__ import annotations
@@ -170,18 +173,23 @@ def truncate(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def sequence(tokens, mask, starts, lengths, first: int, last: int, capacity: int, pad_id: int):
-    """(tokens, mask) of the packed sequence holding records [first, last) of those packed:
-    each record's first ``lengths[r]`` tokens from ``starts[r]``, then padding (mask 0) up
-    to ``capacity``."""
+    """(tokens, mask, positions) of the packed sequence holding records [first, last) of
+    those packed: each record's first ``lengths[r]`` tokens from ``starts[r]``, then
+    padding (mask 0) up to ``capacity``. A token's position counts from 0 at its record's
+    start; the padding is one more document, from 0 too (models/documents.py reads the
+    boundaries from the zeros)."""
     buf = np.full(capacity, pad_id, dtype=np.int64)
     keep = np.zeros(capacity, dtype=bool)
+    positions = np.empty(capacity, dtype=np.int64)
     at = 0
     for r in range(first, last):
         start, n = int(starts[r]), int(lengths[r])
         buf[at:at + n] = tokens[start:start + n]
         keep[at:at + n] = mask[start:start + n]
+        positions[at:at + n] = np.arange(n)
         at += n
-    return buf, keep
+    positions[at:] = np.arange(capacity - at)
+    return buf, keep, positions
 
 
 def inputs_and_labels(buf: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

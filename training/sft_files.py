@@ -28,7 +28,6 @@ import json
 import math
 import mmap
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -149,8 +148,9 @@ class SFTLoader(TokenFileLoader):
 
     _as_tokens = staticmethod(lambda records: records)
 
-    def __init__(self, records: SFTRecords, *, ids: np.ndarray | None = None, part: str = "", **batching):
-        self.ids, self.part = ids, part
+    def __init__(self, records: SFTRecords, *, ids: np.ndarray | None = None, part: str = "",
+                 document_masking: bool = False, **batching):
+        self.ids, self.part, self.document_masking = ids, part, document_masking
         super().__init__(records, **batching)
 
     def _count_windows(self) -> int:
@@ -167,20 +167,27 @@ class SFTLoader(TokenFileLoader):
         return (f"{len(self.lengths):,} records{self.part} of {self.tokens.source} pack into {self.num_windows:,} "
                 f"sequences of seq_len + 1 = {self.seq_len + 1} tokens")
 
-    def sequences(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, loss mask) of packed sequences ``ids``, [len(ids), seq_len + 1] each."""
+    def sequences(self, ids: torch.Tensor, *, positions: bool = False):
+        """(tokens, loss mask) of packed sequences ``ids``, [len(ids), seq_len + 1] each,
+        and with ``positions`` each token's position in its record as a third array."""
         r = self.tokens
         rows = [sft.sequence(r.tokens, r.mask, self.starts, self.lengths, int(self.first_record[i]),
                              int(self.first_record[i + 1]), self.seq_len + 1, r.pad_id) for i in ids.tolist()]
-        return np.stack([b for b, _ in rows]), np.stack([k for _, k in rows])
+        return tuple(np.stack(column) for column in zip(*rows))[:3 if positions else 2]
 
-    def global_sequences(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """The whole global batch of ``step`` as packed sequences (tokens, mask), for reference runs."""
-        return self.sequences(self._window_ids(step * self.global_batch_size, self.global_batch_size))
+    def global_sequences(self, step: int, *, positions: bool = False):
+        """The whole global batch of ``step`` as packed sequences (tokens, mask[, positions]),
+        for reference runs."""
+        return self.sequences(self._window_ids(step * self.global_batch_size, self.global_batch_size),
+                              positions=positions)
 
-    def _windows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, labels = sft.inputs_and_labels(*self.sequences(ids))
-        return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(labels)
+    def _windows(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels), and with document masking the inputs' positions as a third:
+        a micro-batch then is (inputs, labels, positions) (training/step.py)."""
+        buf, keep, positions = self.sequences(ids, positions=True)
+        inputs, labels = sft.inputs_and_labels(buf, keep)
+        out = (torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(labels))
+        return out + (torch.from_numpy(np.ascontiguousarray(positions[:, :-1])),) if self.document_masking else out
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("dataset_checksum") != self.tokens.checksum:
@@ -205,11 +212,8 @@ def build_sft_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int, 
                               f'"{cfg.tokenizer}" has ({tokenizer.vocab_size}); use the tokenizer it was prepared with')
     else:
         records = SFTRecords.from_records(path, tokenizer, cfg.tokenizer, getattr(cfg, "chat_template", "auto"))
-    if getattr(cfg, "document_masking", False) and int(os.environ.get("RANK", 0)) == 0:
-        warnings.warn('[training] document_masking = true is not implemented yet: records packed into one sequence '
-                      "still attend to the records before them (the loss is only on each record's own response "
-                      "tokens). See docs/finetuning.md", stacklevel=2)
     ids = held_out_records(len(records), held_out, part)
     words = "" if ids is None else " held out for validation" if part == "held_out" else " left for training"
     return SFTLoader(records, ids=ids, part=words, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
-                     local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
+                     local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
+                     document_masking=bool(getattr(cfg, "document_masking", False)))

@@ -84,6 +84,21 @@ def summed_cross_entropy(output, labels: torch.Tensor) -> torch.Tensor:
     return _loss_impl(logits_of(output), labels, "sum")
 
 
+def unpack(micro_batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, labels, positions or None) of a micro-batch: (inputs, labels), or with
+    packed documents (training/sft_files.py, document_masking) (inputs, labels, positions)."""
+    inputs, labels, *rest = micro_batch
+    return inputs, labels, rest[0] if rest else None
+
+
+def model_kwargs(positions: torch.Tensor | None, device) -> dict:
+    """The model's keyword inputs for a micro-batch: ``positions`` of the *whole* sequence
+    (not split under context parallelism: attention runs over the whole sequence, see
+    parallel/context_parallel.py), or none at all -- a model without packed documents is
+    called exactly as before."""
+    return {} if positions is None else {"positions": positions.to(device)}
+
+
 def token_loss_scale(labels: list[torch.Tensor], dp_mesh: DeviceMesh | None = None,
                      cp_mesh: DeviceMesh | None = None) -> float:
     """The factor that turns one micro-batch's summed token losses into its part of the
@@ -105,6 +120,8 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                cp_mesh: DeviceMesh | None = None, device: torch.device | None = None, step: int = 0,
                skip_nonfinite: bool = False) -> tuple[float, float]:
     """Returns (loss averaged over the global batch, global gradient norm before clipping).
+    A micro-batch is (inputs, labels) or (inputs, labels, positions) (packed documents:
+    then ``model(inputs, positions=positions)``, see `model_kwargs`).
     ``model(inputs)`` may return the logits, a dict with "logits" or an object with
     ``.logits`` (a Hugging Face model as it is).
     ``loss_parallel``: the logits are vocab-sharded DTensors (TP with loss_parallel).
@@ -116,14 +133,15 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     split = SequenceSplit(cp_mesh) if cp_mesh is not None else None
-    batches = [(split_sequence(inputs, split).to(device), split_sequence(labels, split).to(device))
-               for inputs, labels in micro_batches]
+    batches = [(split_sequence(inputs, split).to(device), split_sequence(labels, split).to(device),
+                model_kwargs(positions, device))
+               for inputs, labels, positions in map(unpack, micro_batches)]
     with step_phase(step, "token count"):
-        scale = token_loss_scale([labels for _, labels in batches], dp_mesh, cp_mesh)
+        scale = token_loss_scale([labels for _, labels, _ in batches], dp_mesh, cp_mesh)
     with step_phase(step, "forward/backward"):
-        for inputs, labels in batches:
+        for inputs, labels, kwargs in batches:
             with loss_parallel_context(loss_parallel):
-                loss = summed_cross_entropy(model(inputs), labels) * scale
+                loss = summed_cross_entropy(model(inputs, **kwargs), labels) * scale
                 loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     return _finish_step(list(model.parameters()), optimizer, total, max_norm, dp_mesh, None, step,
@@ -153,15 +171,18 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
         # Every stage holds the labels (the loader gives each rank its batch), so every rank
         # takes part in the count's all-reduce over dp and cp; only the last stage uses it.
         with step_phase(step, "token count"):
-            labels = [split_sequence(y, split).to(device) for _, y in micro_batches]  # NCCL reduces device tensors
+            labels = [split_sequence(unpack(b)[1], split).to(device) for b in micro_batches]  # NCCL: on device
             loss_fn.scale = token_loss_scale(labels, dp_mesh, cp_mesh)
     with step_phase(step, "pipeline forward/backward"):
-        for inputs, labels in micro_batches:
+        for inputs, labels, positions in map(unpack, micro_batches):
             args = (split_sequence(inputs, split).to(device),) if first else ()
             target = split_sequence(labels, split).to(device) if last else None
             losses: list[torch.Tensor] = []  # step() empties the list it is given
             with loss_parallel_context(loss_parallel):
-                schedule.step(*args, target=target, losses=losses if last else None, return_outputs=False)
+                # Keyword inputs go to every stage, cut into the schedule's micro-batches
+                # along the batch dimension as the tokens are (torch's schedules.py).
+                schedule.step(*args, target=target, losses=losses if last else None, return_outputs=False,
+                              **model_kwargs(positions, device))
             for loss in losses:
                 total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     if tied is not None:

@@ -19,7 +19,8 @@ from torch import nn
 
 from meshtrain.models.common import build_from_flavor, cut_stage, fsdp_units
 from meshtrain.models.gpt2.config import FLAVORS, GPT2Config
-from meshtrain.parallel.context_parallel import causal_attention
+from meshtrain.models.documents import document_mask
+from meshtrain.parallel.context_parallel import causal_attention, split_sequence
 from meshtrain.parallel.init import init_param_, materialize, trunc_normal_
 
 
@@ -33,9 +34,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim)
         self.context_parallel = None  # set by parallel.context_parallel.apply_cp
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         q, k, v = (rearrange(w(x), "b s (h d) -> b s h d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
-        out = causal_attention(q, k, v, self.context_parallel)
+        out = causal_attention(q, k, v, self.context_parallel, mask=mask)
         return self.wo(rearrange(out, "b s h d -> b s (h d)"))
 
 
@@ -57,8 +58,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, mask=None):
+        # mask by keyword: the TP plan prepares the positional input (x) only.
+        x = x + self.attn(self.ln_1(x), mask=mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -87,20 +89,27 @@ class GPT2(nn.Module):
     def from_flavor(cls, flavor: str, *, meta: bool = False, **overrides) -> "GPT2":
         return build_from_flavor(cls, FLAVORS, "GPT-2", flavor, meta=meta, overrides=overrides)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` [b, s] (the whole sequence's, also under context parallelism):
+        packed documents (models/documents.py) -- each token's position looked up, attention
+        inside each document only. None: one document per sequence, as before."""
         if self.wte is not None:
             # Under context parallelism the tokens are this rank's piece of each sequence.
             start = self.context_parallel.offset(tokens.shape[1]) if self.context_parallel is not None else 0
             if start + tokens.shape[1] > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {start + tokens.shape[1]} tokens, but the position embedding "
                                  f"has {self.cfg.max_seq_len} rows (max_seq_len)")
-            # [1, s]: the position lookup's output is [1, s, dim], sharded like the tokens'.
-            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
-            h = self.wte(tokens) + self.wpe(positions)
+            if positions is None:
+                # [1, s]: the position lookup's output is [1, s, dim], sharded like the tokens'.
+                local = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+            else:
+                local = split_sequence(positions, self.context_parallel)  # this rank's piece
+            h = self.wte(tokens) + self.wpe(local)
         else:
             h = tokens
+        mask = document_mask(positions) if positions is not None else None
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, mask=mask)
         if self.lm_head is None:
             return h
         return self.lm_head(self.ln_f(h))

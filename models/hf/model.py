@@ -177,8 +177,15 @@ class HFModel:
 
     # ---- forward: token ids (or a stage's incoming hidden states) -> logits (or hidden states) ----
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` [b, s]: packed documents (models/documents.py), handed to
+        transformers as ``position_ids``. With no attention mask and no cache its masking
+        utilities (masking_utils.find_packed_sequence_indices) read the documents from
+        them -- a new one wherever a position does not follow the last -- and build the
+        mask for sdpa or eager attention themselves; rotary angles follow the positions."""
         given = {"input_ids": tokens} if self._mt_first else {"inputs_embeds": tokens}
+        if positions is not None:
+            given["position_ids"] = positions
         if not self._mt_last:
             return getattr(self, self._mt_base)(**given).last_hidden_state
         return super().forward(**given).logits

@@ -16,6 +16,7 @@ from einops import rearrange
 from torch import nn
 
 from meshtrain.models.common import build_from_flavor, cut_stage, fsdp_units
+from meshtrain.models.documents import document_mask
 from meshtrain.models.llama.config import FLAVORS, LlamaConfig
 from meshtrain.parallel.context_parallel import causal_attention
 from meshtrain.parallel.init import init_param_, materialize, trunc_normal_
@@ -38,10 +39,11 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs (x[2i], x[2i+1]) of x [b, s, h, d] by position angles
-    cos/sin [s, d/2] — Meta's reference layout, so released weights load without permuting."""
+    cos/sin [s, d/2] (the same positions in every sequence) or [b, s, d/2] (each token's
+    own, packed documents) — Meta's reference layout, so released weights load without permuting."""
     pairs = rearrange(x.float(), "b s h (d two) -> b s h d two", two=2)
     x0, x1 = pairs.unbind(-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rearrange(out, "b s h d two -> b s h (d two)").type_as(x)
 
@@ -56,7 +58,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.context_parallel = None  # set by parallel.context_parallel.apply_cp
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
         # Under TP these projections hold only this rank's heads; "(h d)" with d fixed
         # recovers the local head count, so no TP-specific code is needed here.
         q = rearrange(self.wq(x), "b s (h d) -> b s h d", d=self.head_dim)
@@ -66,10 +68,11 @@ class Attention(nn.Module):
         def rotate(q, k):
             # cos/sin come for every position up to max_seq_len: only here, after sequence
             # parallel and context parallel have gathered the sequence, is its length known.
-            c, s = cos[: q.shape[1]], sin[: q.shape[1]]
+            # Per-token angles ([b, s, d/2], packed documents) are already the whole sequence's.
+            c, s = (cos[: q.shape[1]], sin[: q.shape[1]]) if cos.dim() == 2 else (cos, sin)
             return apply_rope(q, c, s), apply_rope(k, c, s)
 
-        out = causal_attention(q, k, v, self.context_parallel, rotate, enable_gqa=True)
+        out = causal_attention(q, k, v, self.context_parallel, rotate, mask=mask, enable_gqa=True)
         return self.wo(rearrange(out, "b s h d -> b s (h d)"))
 
 
@@ -92,8 +95,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin):
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        # mask by keyword: the TP plan prepares the positional inputs (x, cos, sin) only.
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -127,11 +131,17 @@ class Llama(nn.Module):
         then `init_weights` materializes only this rank's shards."""
         return build_from_flavor(cls, FLAVORS, "Llama", flavor, meta=meta, overrides=overrides)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` are hidden states [b, s, dim] on pipeline stages after the first."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` are hidden states [b, s, dim] on pipeline stages after the first.
+        ``positions`` [b, s] (the whole sequence's, also under context parallelism): packed
+        documents (models/documents.py) -- rotary angles by each token's position and
+        attention inside each document only. None: one document per sequence, as before."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        if positions is not None:
+            cos, sin, mask = cos[positions], sin[positions], document_mask(positions)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
