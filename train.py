@@ -160,6 +160,8 @@ def run(argv: list[str] | None = None, command=main) -> int:
         return 128 + stop.signum
     except Exception as err:
         code = exit_code(err)
+        if code is None and "torch" in sys.modules:
+            err, code = startup_collective_failure(err)
         if code is None:
             raise
         if debug:
@@ -182,6 +184,22 @@ def tell_torchrun(message: str) -> None:
     if path and not os.path.exists(path):
         with open(path, "w") as fh:
             json.dump({"message": message, "timestamp": int(time.time())}, fh)
+
+
+def startup_collective_failure(err: Exception) -> tuple[Exception, int | None]:
+    """A collective of start-up (the run lock's broadcast, building the model's shards,
+    resuming) that failed because another rank is gone -- stopped or killed while starting
+    -- as the one line a failure during training gets (main), exit 3; else ``err`` as it is."""
+    from meshtrain.training.faults import CollectiveFailure, is_collective_failure
+
+    # Those of the training loop were said there (main); one seen here came before it, or after.
+    if startup_signals.phase() != "start-up" or not is_collective_failure(err):
+        return err, None
+    first = str(err).strip().splitlines()[0][:200]
+    rank = os.environ.get("RANK", "0")
+    return CollectiveFailure(f"rank {rank}: a collective failed during start-up: another rank died or was "
+                             f"stopped before training began; nothing was saved, rerun the same command "
+                             f"({first})"), 3
 
 
 def exit_code(err: Exception) -> int | None:

@@ -47,6 +47,11 @@ def _handle(signum, frame) -> None:
     raise StoppedBySignal(signum, _State.phase)
 
 
+def phase() -> str:
+    """"start-up" until the training loop is over, then "shut-down"."""
+    return _State.phase
+
+
 def training_over() -> None:
     """From now on a signal interrupts the shut-down, not the start-up (words only)."""
     _State.phase = "shut-down"
