@@ -163,6 +163,7 @@ def test_text_that_is_not_utf8_is_refused_naming_the_file(tmp_path, capsys, enco
     assert main([str(path), "--out", str(tmp_path / "out"), "--workers", "1"]) == 2
     line = error_line(capsys)
     assert str(path) in line and "not UTF-8" in line and "iconv" in line
+    assert ("byte-order mark:" in line) == bom and ("characters are NUL bytes" in line) == (not bom)
     assert not (tmp_path / "out" / INDEX).exists()
     with pytest.raises(ConfigError, match=rf"{path.name}.*not UTF-8"):  # dataset = "text" reads it in memory
         load_tokens("text", str(path), "byte")
