@@ -6,6 +6,8 @@ import errno
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -84,8 +86,7 @@ def test_an_unfinished_preparation_of_other_inputs_needs_overwrite_too(corpus, t
         return real(unit, *args)
 
     monkeypatch.setattr(prepare_data, "tokenize_unit", dies_after_five)
-    with pytest.raises(KeyboardInterrupt):
-        run(corpus, tmp_path / "out")
+    assert run(corpus, tmp_path / "out") == 130  # Ctrl-C
     monkeypatch.setattr(prepare_data, "tokenize_unit", real)
     shards = files_of(tmp_path / "out")
     assert any(n.startswith("shard_") for n in shards) and INDEX not in shards
@@ -257,3 +258,42 @@ def test_sft_folders_check_their_tokenizer_and_files_too(tmp_path, bpe_path):
     tokens.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match=r"tokens\.bin does not match the checksum"):
         SFTRecords.from_folder(str(tmp_path / "sft"))
+
+
+def test_a_second_preparer_of_one_folder_is_refused_while_the_first_lives(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        (out / "prepare.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": other.pid,
+                                                      "started": 0}))
+        assert run(corpus, out) == 2
+        line = error_line(capsys)
+        assert f"being prepared by pid {other.pid}" in line and "prepare.lock" in line
+        assert files_of(out) == {"prepare.lock": (out / "prepare.lock").read_bytes()}
+    finally:
+        other.kill()
+        other.wait()
+    assert run(corpus, out) == 0  # its holder is gone: taken over, and let go at the end
+    assert "prepare.lock" not in files_of(out) and (out / INDEX).is_file()
+
+
+def test_sigterm_while_preparing_is_one_line_and_the_same_command_resumes(corpus, tmp_path, capsys, monkeypatch):
+    assert run(corpus, tmp_path / "ref") == 0
+    real, calls = prepare_units.tokenize_unit, []
+
+    def terminated_on_the_eighth(unit, *args):
+        calls.append(unit)
+        if len(calls) == 8:
+            os.kill(os.getpid(), signal.SIGTERM)  # a cancelled job
+        return real(unit, *args)
+
+    monkeypatch.setattr(prepare_data, "tokenize_unit", terminated_on_the_eighth)
+    assert run(corpus, tmp_path / "out") == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("prepare_data: interrupted")
+    names = set(files_of(tmp_path / "out"))
+    assert INDEX not in names and not [n for n in names if n.endswith((".tmp", ".lock"))]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.setattr(prepare_data, "tokenize_unit", real)
+    assert run(corpus, tmp_path / "out") == 0 and files_of(tmp_path / "out") == files_of(tmp_path / "ref")

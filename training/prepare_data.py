@@ -23,6 +23,7 @@ import hashlib
 import json
 import mmap
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -37,7 +38,7 @@ from meshtrain.training.config import ConfigError
 from meshtrain.training.data import HFTokenizer, build_tokenizer
 from meshtrain.training.prepare_units import (check_decodable, input_files, plan_units, tokenize_sft_unit,
                                               tokenize_unit)
-from meshtrain.training.prepare_out import PrepareFailure, check_out, describe_os_error, write_all
+from meshtrain.training.prepare_out import PrepareFailure, check_out, claimed, describe_os_error, write_all
 from meshtrain.training.token_files import (FORMAT, INDEX, VERSION, TokenFiles, index_checksum, sample_sha256,
                                             token_dtype, tokenizer_id)
 
@@ -95,7 +96,7 @@ def _results(units, spec, text_key, dtype, workers, tokenize=None):
         return
     # concurrent.futures, not multiprocessing.Pool: a worker killed by the system (the OOM
     # killer) breaks the pool and every pending result raises, where Pool waits forever.
-    pool = ProcessPoolExecutor(workers)
+    pool = ProcessPoolExecutor(workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
     try:
         todo, pending = iter(units), deque()
         for unit in todo:
@@ -116,6 +117,11 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", workers: int =
             text_key: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS,
             progress: bool = True, overwrite: bool = False) -> dict:
     """Write the shards and index.json of ``inputs`` into ``out``; returns the index."""
+    with claimed(Path(out)):
+        return _prepare(inputs, out, tokenizer, workers, text_key, shard_tokens, progress, overwrite)
+
+
+def _prepare(inputs, out, tokenizer, workers, text_key, shard_tokens, progress, overwrite) -> dict:
     tok = build_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     units = plan_units(input_files(inputs), text_key)
@@ -193,6 +199,11 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", workers: int =
 
 def prepare_sft(inputs: list[str], out: str, tokenizer: str = "byte", workers: int = 1,
                 template_choice: str = "auto", overwrite: bool = False) -> dict:
+    with claimed(Path(out)):
+        return _prepare_sft(inputs, out, tokenizer, workers, template_choice, overwrite)
+
+
+def _prepare_sft(inputs, out, tokenizer, workers, template_choice, overwrite) -> dict:
     """`--kind sft`: tokenize the instruction records of ``inputs`` into ``out`` (the files
     training/sft_files.py maps: tokens.bin, mask.bin, offsets.bin, then index.json); returns
     the index. Each unit's arrays are appended as they come, in input order; no resume."""
@@ -299,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace a dataset prepared in --out from other inputs or settings (only the files "
                         "prepare-data writes are removed; a folder holding other files is always refused)")
     args = p.parse_args(argv)
+    try:  # SIGTERM (a cancelled job) ends like Ctrl-C: the .tmp being written is removed on the way out
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    except ValueError:  # not the main thread
+        previous = None
     try:
         if args.verify:
             print(verify(args.verify))
@@ -318,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PrepareFailure) as err:
         _say(f"prepare_data: error: {err}")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (SIGTERM too, below): what is finished stays
+        _say("prepare_data: interrupted; finished shards are kept, and the same command resumes after them"
+             if args.kind == "text" else "prepare_data: interrupted; run the same command again")
+        return 130
     except OSError as err:  # the file system's refusal (a full disk, a read-only folder): no traceback
         if err.errno is None:
             raise
@@ -326,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                 "Complete datasets are as they were; once fixed, run the same command again")
         _say(f"prepare_data: error: {describe_os_error(err, Path(args.out or args.verify), kept)}")
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print(f"{args.out}: {index['num_documents']:,} documents, {index['num_tokens']:,} tokens "
           f"in {len(index['shards'])} shards")
     return 0

@@ -12,10 +12,14 @@ written last.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +28,9 @@ from meshtrain.training.config import ConfigError
 
 # Everything prepare-data writes: token shards and their progress file, sft arrays, the
 # index, and the .tmp each is written to first.
-OURS = re.compile(r"^(index\.json|index\.tmp|prepare\.json|prepare\.tmp|shard_\d{5,}\.bin"
+OURS = re.compile(r"^(index\.json|index\.tmp|prepare\.json|prepare\.tmp|prepare\.lock|shard_\d{5,}\.bin"
                   r"|tokens\.bin|mask\.bin|offsets\.bin)(\.tmp)?$")
-INDEX, PROGRESS = "index.json", "prepare.json"
+INDEX, PROGRESS, LOCK = "index.json", "prepare.json", "prepare.lock"
 
 
 class PrepareFailure(Exception):
@@ -43,7 +47,7 @@ def check_out(out_dir: Path, *, overwrite: bool, same_plan) -> None:
                           f"and index.json (nothing was changed)")
     if not out_dir.is_dir():
         return
-    names = sorted(p.name for p in out_dir.iterdir())
+    names = sorted(p.name for p in out_dir.iterdir() if p.name != LOCK)
     others = [n for n in names if not OURS.match(n)]
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
@@ -61,6 +65,41 @@ def check_out(out_dir: Path, *, overwrite: bool, same_plan) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def claimed(out_dir: Path):
+    """One preparer per folder: ``prepare.lock`` (host, pid) while the block runs. Two
+    preparers writing one folder would interleave their shards. A lock whose process is gone
+    from this host (a kill -9) is taken over. A folder this made and left empty is removed."""
+    from meshtrain.training import run_lock  # its checks of a holder: the same rules as a run's lock
+
+    if out_dir.exists() and not out_dir.is_dir():
+        yield  # check_out says what is wrong
+        return
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock, me = out_dir / LOCK, {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    try:
+        while True:
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                break
+            except FileExistsError:
+                holder = run_lock._read(lock)
+                if holder is not None and holder["pid"] != me["pid"] and not run_lock._dead(holder, me["host"]):
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
+                    raise ConfigError(f"--out {out_dir} is being prepared by pid {holder['pid']} on "
+                                      f"{holder['host']} since {since}; two preparers in one folder would mix their "
+                                      f"shards. Wait for it, or choose another --out; if it is gone, delete {lock}")
+                lock.unlink(missing_ok=True)
+        write_all(lock, json.dumps(me).encode(), fd)
+        os.close(fd)
+        yield
+    finally:
+        run_lock.release(lock, me["pid"])
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+
+
 def write_all(path: Path, data, fd: int | None = None) -> None:
     """Write ``data`` (bytes or an array) to ``path`` (or to the open ``fd``, appending);
     an OSError names ``path``, and a new file is removed when its write fails."""
@@ -75,10 +114,12 @@ def write_all(path: Path, data, fd: int | None = None) -> None:
         finally:
             if own:
                 os.close(fd)
-    except OSError as err:
+    except BaseException as err:  # a full disk, or Ctrl-C: no half-written file is left
         if own:
             Path(path).unlink(missing_ok=True)
-        raise OSError(err.errno, err.strerror, str(path)) from None
+        if isinstance(err, OSError):
+            raise OSError(err.errno, err.strerror, str(path)) from None
+        raise
 
 
 def describe_os_error(err: OSError, out_dir: Path, kept: str) -> str:
