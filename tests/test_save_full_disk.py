@@ -7,7 +7,6 @@ import errno
 import io
 import os
 
-import pytest
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from torch.distributed.checkpoint.api import CheckpointException
 
