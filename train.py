@@ -21,6 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
+from meshtrain.training import startup_signals
 from meshtrain.training.config import ConfigError
 from meshtrain.training.config_loader import config_to_toml, parse_args
 
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
             raise CollectiveFailure(describe_collective_failure(err, cfg.comm.train_timeout_seconds)) from err
         raise
     finally:
-        stop.restore()
+        stop.restore()  # the start-up handler again (run() installed it)
+        startup_signals.training_over()
     if checkpoint is not None:
         checkpoint.close()
     metrics.close()
@@ -145,21 +147,34 @@ def run(argv: list[str] | None = None, command=main) -> int:
     keeps its traceback (exit 1). A failed collective or a non-finite step ends with 3,
     said by every rank that sees it."""
     debug = "--debug" in (argv if argv is not None else sys.argv)
+    previous = startup_signals.install()  # first: SIGTERM may come while torch is still importing
     try:
         command(argv)
         return 0
+    except startup_signals.StoppedBySignal as stop:
+        if debug:
+            traceback.print_exc()
+        if os.environ.get("MESHTRAIN_LAUNCHER") != "1":  # each rank got its own signal: each says so
+            print(f"meshtrain: error: {stop}", file=sys.stderr, flush=True)
+        tell_torchrun(f"meshtrain: error: {stop}")
+        return 128 + stop.signum
     except Exception as err:
         code = exit_code(err)
+        if code is None and "torch" in sys.modules:
+            err, code = startup_collective_failure(err)
         if code is None:
             raise
         if debug:
             traceback.print_exc()
         # Under `meshtrain train --nproc-per-node`, the launcher says the first rank's message once.
         launched = os.environ.get("MESHTRAIN_LAUNCHER") == "1"
-        if not launched and (code == 3 or int(os.environ.get("RANK", 0)) == 0):
+        # Most errors are seen alike by every rank; a damaged data file only by the rank reading it.
+        if not launched and (code == 3 or getattr(err, "every_rank", False) or int(os.environ.get("RANK", 0)) == 0):
             print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
         tell_torchrun(f"meshtrain: error: {err}")
         return code
+    finally:
+        startup_signals.restore(previous)
 
 
 def tell_torchrun(message: str) -> None:
@@ -169,6 +184,22 @@ def tell_torchrun(message: str) -> None:
     if path and not os.path.exists(path):
         with open(path, "w") as fh:
             json.dump({"message": message, "timestamp": int(time.time())}, fh)
+
+
+def startup_collective_failure(err: Exception) -> tuple[Exception, int | None]:
+    """A collective of start-up (the run lock's broadcast, building the model's shards,
+    resuming) that failed because another rank is gone -- stopped or killed while starting
+    -- as the one line a failure during training gets (main), exit 3; else ``err`` as it is."""
+    from meshtrain.training.faults import CollectiveFailure, is_collective_failure
+
+    # Those of the training loop were said there (main); one seen here came before it, or after.
+    if startup_signals.phase() != "start-up" or not is_collective_failure(err):
+        return err, None
+    first = str(err).strip().splitlines()[0][:200]
+    rank = os.environ.get("RANK", "0")
+    return CollectiveFailure(f"rank {rank}: a collective failed during start-up: another rank died or was "
+                             f"stopped before training began; nothing was saved, rerun the same command "
+                             f"({first})"), 3
 
 
 def exit_code(err: Exception) -> int | None:

@@ -52,6 +52,7 @@ from meshtrain.training.checkpoint_reader import DamagedCheckpointError, SafeRea
 from meshtrain.training.console import say_lr_changed
 from meshtrain.training.faults import NonFiniteError
 from meshtrain.training.resume_compat import config_differences, model_differences
+from meshtrain.training import save_failure
 from meshtrain.training.rewind import load_step_in_effect, set_aside_newer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -372,25 +373,30 @@ class CheckpointManager:
         meta = {"step": step, "model_only": model_only, "dataloader": data_state,
                 "lr_scheduler": self.schedulers.state_dict(), "rng": "rng" in state}
         dist.barrier()  # the stale .tmp is gone on every rank's view before anyone writes
+        need = save_failure.state_bytes(state)
         try:
             if self._pg is not None:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
-                self._pending = (future, tmp, final, meta, started)
+                self._pending = (future, tmp, final, meta, started, need)
             else:
                 dcp.save(state, checkpoint_id=str(tmp))
                 self._finalize(tmp, final, meta, started)
         except (Exception, CheckpointException) as err:
-            raise self._save_failed(final, err) from err
+            if (failure := self._save_failed(final, err, need)) is None:
+                raise
+            raise failure from err
 
     def finish_pending(self) -> None:
         if self._pending is not None:
-            future, tmp, final, meta, started = self._pending
+            future, tmp, final, meta, started, need = self._pending
             self._pending = None
             try:
-                future.result()
+                future.result()  # where an async save's failure surfaces: at the next save, or close
                 self._finalize(tmp, final, meta, started)
             except (Exception, CheckpointException) as err:
-                raise self._save_failed(final, err) from err
+                if (failure := self._save_failed(final, err, need)) is None:
+                    raise
+                raise failure from err
 
     def newest(self) -> str:
         """Where a rerun resumes from, in words."""
@@ -398,9 +404,14 @@ class CheckpointManager:
         return (f"the newest complete checkpoint is {kept[-1][1].name} in {self.folder}" if kept else
                 f"there is no complete checkpoint in {self.folder}")
 
-    def _save_failed(self, final: Path, err: BaseException) -> "CheckpointError":
+    def _save_failed(self, final: Path, err: BaseException, need: int) -> CheckpointError | None:
+        """CheckpointError with the file system's reason (training/save_failure.py); None for
+        any other failure, which keeps its traceback: not the disk's fault, maybe ours."""
+        reason = save_failure.describe(err, self.folder, need)
+        if reason is None:
+            return None
         kept = [p.name for _, p in complete_checkpoints(self.folder)]
-        return CheckpointError(f"saving {final} failed: {root_cause(err)}. Nothing complete was touched: "
+        return CheckpointError(f"saving {final} failed: {reason}. Nothing complete was touched: "
                                f"{', '.join(kept) or 'no earlier checkpoint'} in {self.folder} "
                                f"{'are' if len(kept) > 1 else 'is'} intact")
 

@@ -124,11 +124,32 @@ def decode_utf8(data: bytes) -> tuple[str, int]:
     return text, text.count("\ufffd") - data.count("\ufffd".encode())  # replaced, not written as U+FFFD
 
 
+# Byte-order marks of encodings that are not UTF-8 (UTF-32 first: its LE mark starts as
+# UTF-16's). Read as UTF-8 such a file is NUL bytes between the characters.
+FOREIGN_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"),
+                (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
+
+
+def check_not_foreign_encoding(path: Path, head: bytes) -> None:
+    """ConfigError naming the file and the conversion if ``head`` (its first bytes) is the
+    byte-order mark of UTF-16 or UTF-32."""
+    for bom, name in FOREIGN_BOMS:
+        if head.startswith(bom):
+            raise ConfigError(f"{path}: starts with a {name} byte-order mark: the file is {name[:6]}, not UTF-8 "
+                              f"(read as UTF-8, half of it would be NUL bytes). Convert it, e.g. `iconv -f "
+                              f"{name[:6]} -t UTF-8 {path} > {path.stem}.utf8{path.suffix}`, and use that")
+
+
 def _read_text(path: Path) -> str:
     """The file as text; a few undecodable bytes are replaced (and counted in a warning),
     many mean the file is not text at all (ConfigError naming it)."""
     data = path.read_bytes()
+    check_not_foreign_encoding(path, data[:4])
     text, bad = decode_utf8(data)
+    if text.count("\x00") > MAX_UNDECODABLE * max(len(text), 1):  # UTF-16/32 without a byte-order mark
+        raise ConfigError(f"{path}: {text.count(chr(0)):,} of its {len(text):,} characters are NUL bytes: it is "
+                          f"not UTF-8 text (UTF-16 or UTF-32 without a byte-order mark, or binary). Convert it "
+                          f"to UTF-8, e.g. `iconv -f UTF-16LE -t UTF-8`, or remove it from the dataset")
     if bad > MAX_UNDECODABLE * max(len(text), 1):
         raise ConfigError(f"{path}: {bad:,} of its {len(data):,} bytes ({bad / len(data):.0%}) are not UTF-8 "
                           f"text; it looks binary. Remove it from the dataset (text files: "

@@ -23,7 +23,7 @@ import numpy as np
 from meshtrain.training import sft
 from meshtrain.training.config import ConfigError
 from meshtrain.training.data import (MAX_UNDECODABLE, TEXT_SUFFIXES, HFTokenizer, JsonlError, _sorted_files, build_tokenizer,
-                           decode_utf8, jsonl_documents)
+                                     check_not_foreign_encoding, decode_utf8, jsonl_documents)
 
 CHUNK_BYTES = 8 << 20  # big enough to amortize a task, small enough to spread a big file over workers
 PARQUET = ".parquet"
@@ -66,6 +66,9 @@ def plan_units(files: list[Path], text_key: str) -> list[Unit]:
     units = []
     for path in files:
         size = path.stat().st_size
+        if path.suffix != PARQUET:
+            with open(path, "rb") as f:
+                check_not_foreign_encoding(path, f.read(4))
         if path.suffix == ".jsonl":
             with open(path, "rb") as f:
                 start = 0
@@ -110,11 +113,11 @@ def _parquet_documents(unit: Unit, text_key: str) -> list[str]:
 
 
 def tokenize_unit(unit: Unit, spec: str, text_key: str, dtype: str, threads: bool = True):
-    """(tokens, documents, undecodable bytes, characters) of one unit. ``threads=False``
-    in worker processes: each worker is already one of the cores."""
+    """(tokens, documents, undecodable bytes, characters, NUL characters) of one unit.
+    ``threads=False`` in worker processes: each worker is already one of the cores."""
     if not threads:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    bad = chars = 0
+    bad = chars = nuls = 0
     if unit.kind == "parquet":
         docs = _parquet_documents(unit, text_key)
     else:
@@ -123,7 +126,9 @@ def tokenize_unit(unit: Unit, spec: str, text_key: str, dtype: str, threads: boo
             # A chunk ends at a line break, never inside a UTF-8 sequence: decoding chunks
             # one by one gives the same text as decoding the file.
             text, bad = decode_utf8(f.read(unit.end - unit.start))
-        chars = len(text)
+        chars, nuls = len(text), text.count("\x00")
+        if nuls > MAX_UNDECODABLE * max(chars, 1):  # before a jsonl parser would call it bad JSON
+            check_decodable(unit.path, bad, chars, nuls)
         docs = [text] if unit.kind == "text" else _jsonl_documents(unit, text, text_key)
     tok = build_tokenizer(spec)
     if isinstance(tok, HFTokenizer):  # the batch call, without special tokens, as tok.encode
@@ -136,7 +141,7 @@ def tokenize_unit(unit: Unit, spec: str, text_key: str, dtype: str, threads: boo
         out[at] = tok.eos_id
         out[at + 1:at + 1 + len(doc)] = doc
         at += 1 + len(doc)
-    return out, len(docs), bad, chars
+    return out, len(docs), bad, chars, nuls
 
 
 def tokenize_sft_unit(unit: Unit, spec: str, template: str, dtype: str, threads: bool = True):
@@ -160,9 +165,13 @@ def tokenize_sft_unit(unit: Unit, spec: str, template: str, dtype: str, threads:
     return sft.encode_records(records, build_tokenizer(spec), template, spec, dtype)
 
 
-def check_decodable(path: str, bad: int, chars: int) -> str | None:
+def check_decodable(path: str, bad: int, chars: int, nuls: int = 0) -> str | None:
     """The refusal (as training.data._read_text), or a note on a few replaced bytes, for one
     file from the counts of all its units."""
+    if nuls > MAX_UNDECODABLE * max(chars, 1):  # text has none; UTF-16/32 read as UTF-8 is full of them
+        raise ConfigError(f"{path}: {nuls:,} of its {chars:,} characters are NUL bytes: it is not UTF-8 text "
+                          f"(UTF-16 or UTF-32 without a byte-order mark, or binary). Convert it to UTF-8, e.g. "
+                          f"`iconv -f UTF-16LE -t UTF-8`, or remove it from the inputs")
     if bad > MAX_UNDECODABLE * max(chars, 1):
         raise ConfigError(f"{path}: {bad:,} bytes are not UTF-8 text; it looks binary. Remove it "
                           f"from the inputs (text files: {'/'.join(TEXT_SUFFIXES)}, or {PARQUET})")

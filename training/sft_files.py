@@ -36,9 +36,10 @@ import torch
 from meshtrain.training import chat_template, sft
 from meshtrain.training.config import ConfigError
 from meshtrain.training.shuffle import permute, round_keys
-from meshtrain.training.token_files import TokenFileLoader, token_dtype
+from meshtrain.training.token_files import (DataDamage, TokenFileLoader, check_tokenizer, prepare_again, sample_sha256,
+                                            token_dtype)
 
-FORMAT, VERSION = "meshtrain-sft", 1
+FORMAT, VERSION = "meshtrain-sft", 2  # 2: tokenizer_id, max_id, each file's sample sha256
 INDEX = "index.json"
 FILES = {"tokens": "tokens.bin", "mask": "mask.bin", "offsets": "offsets.bin"}
 # The permutation that picks held-out records: a constant, not [training] seed, so the
@@ -88,15 +89,25 @@ class SFTRecords:
         where = f'[training] dataset_path = "{folder}"'
         try:
             index = json.loads(path.read_text())
-            ok = (index.get("format"), index.get("version")) == (FORMAT, VERSION)
+            fmt, version = index.get("format"), index.get("version")
+            ok = (fmt, version) == (FORMAT, VERSION)
             dtype, n, t = np.dtype(index["dtype"]), int(index["num_records"]), int(index["num_tokens"])
+            if ok:
+                samples, max_id, _ = index["samples"], int(index["max_id"]), index["tokenizer_id"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ConfigError(f"{where}: {path} is not a meshtrain sft index ({err!r})") from None
+        if fmt == FORMAT and isinstance(version, int) and version < VERSION:
+            raise ConfigError(f"{where}: {path} was written by an earlier meshtrain (index version {version}), "
+                              f"which did not record the tokenizer's identity nor the files' checksums; "
+                              f"{prepare_again(folder).replace('prepare-data', 'prepare-data --kind sft', 1)}")
         if not ok:
             raise ConfigError(f"{where}: {path} is not a {FORMAT} version {VERSION} index; prepare it with "
                               f"`meshtrain prepare-data --kind sft`")
         if index_checksum(index) != index["checksum"]:
             raise ConfigError(f"{where}: {path} is inconsistent; prepare the folder again")
+        if max_id >= index["vocab_size"]:
+            raise ConfigError(f"{where}: {path} records token ids up to {max_id}, beyond its vocabulary of "
+                              f"{index['vocab_size']}; prepare the folder again")
         arrays = {}
         for key, (want_dtype, count) in {"tokens": (dtype, t), "mask": (np.dtype(np.uint8), t),
                                          "offsets": (np.dtype(np.int64), n + 1)}.items():
@@ -106,9 +117,15 @@ class SFTRecords:
                 raise ConfigError(f"{where}: {file} is {'missing' if size is None else f'{size:,} bytes'}, but "
                                   f"{path} says {count * want_dtype.itemsize:,} bytes; prepare the folder again")
             arrays[key] = _map(file, want_dtype)
-        return cls(arrays["tokens"], arrays["mask"], arrays["offsets"], vocab_size=index["vocab_size"],
+            # Three files, 64 KiB each: checked at start-up (a token shard is checked when first read).
+            if sample_sha256(arrays[key] if size else b"") != samples[FILES[key]]:
+                raise ConfigError(f"{where}: {file} does not match the checksum {path} recorded when it was "
+                                  f"prepared (replaced or damaged since); prepare the folder again")
+        records = cls(arrays["tokens"], arrays["mask"], arrays["offsets"], vocab_size=index["vocab_size"],
                    pad_id=index["pad_id"], tokenizer=index["tokenizer"], template=index["chat_template"],
                    checksum=index["checksum"], source=folder)
+        records.tokenizer_id = index["tokenizer_id"]
+        return records
 
 
 def _map(path: Path, dtype) -> np.ndarray:
@@ -186,6 +203,10 @@ class SFTLoader(TokenFileLoader):
         a micro-batch then is (inputs, labels, positions) (training/step.py)."""
         buf, keep, positions = self.sequences(ids, positions=True)
         inputs, labels = sft.inputs_and_labels(buf, keep)
+        if inputs.size and int(inputs.max()) >= self.tokens.vocab_size:  # one max per batch
+            raise DataDamage(f"{self.tokens.source}: a record holds token id {int(inputs.max())}, beyond the "
+                             f"vocabulary of {self.tokens.vocab_size} it was prepared with (replaced or damaged "
+                             f"since); prepare the folder again")
         out = (torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(labels))
         return out + (torch.from_numpy(np.ascontiguousarray(positions[:, :-1])),) if self.document_masking else out
 
@@ -206,10 +227,7 @@ def build_sft_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int, 
     path = cfg.dataset_path
     if os.path.isfile(os.path.join(path, INDEX)):
         records = SFTRecords.from_folder(path)
-        if records.vocab_size > tokenizer.vocab_size:
-            raise ConfigError(f'[training] dataset_path = "{path}" was prepared with {records.tokenizer} '
-                              f"({records.vocab_size} tokens), more than [training] tokenizer = "
-                              f'"{cfg.tokenizer}" has ({tokenizer.vocab_size}); use the tokenizer it was prepared with')
+        check_tokenizer(Path(path) / INDEX, records.tokenizer, records.tokenizer_id, cfg.tokenizer)
     else:
         records = SFTRecords.from_records(path, tokenizer, cfg.tokenizer, getattr(cfg, "chat_template", "auto"))
     ids = held_out_records(len(records), held_out, part)

@@ -10,7 +10,12 @@ shard boundary; it is read in two pieces. That keeps every token of the corpus u
 makes the windows independent of how the corpus was cut into shards.
 
 Start-up reads index.json and stats the shards (sizes only); it never reads the tokens.
-The loader reads the windows of the batches it is asked for, nothing else.
+The loader reads the windows of the batches it is asked for, nothing else. What it does
+check, cheaply: the tokenizer is the one the folder was prepared with (`tokenizer_id`);
+a shard's sampled blocks match the hash recorded at prepare time, when the shard is first
+opened (`sample_sha256`, 64 KiB read); every window's ids are below the vocabulary (a
+shard replaced by other bytes of the same size would otherwise end in an IndexError
+inside the embedding).
 """
 
 from __future__ import annotations
@@ -27,8 +32,45 @@ from meshtrain.training.config import ConfigError
 from meshtrain.training.loader import DataLoader
 from meshtrain.training.shuffle import permute, round_keys
 
-FORMAT, VERSION = "meshtrain-tokens", 1
+FORMAT, VERSION = "meshtrain-tokens", 2  # 2: tokenizer_id, each shard's sample_sha256 and max_id
 INDEX = "index.json"
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 4096  # what sample_sha256 reads of a shard: 64 KiB, spread evenly
+
+
+class DataDamage(ConfigError):
+    """A prepared file found damaged while training (a shard replaced or corrupted after the
+    start-up checks). Only the rank that read it knows: that rank says so (train.run)."""
+
+    every_rank = True
+
+
+def tokenizer_id(spec: str) -> str:
+    """What identifies a tokenizer, whatever path it was given by: "byte", or the sha256 of
+    the tokenizer.json file."""
+    if spec == "byte":
+        return "byte"
+    h = hashlib.sha256()
+    with open(spec, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def sample_sha256(data) -> str:
+    """sha256 of the size and SAMPLE_BLOCKS evenly spaced blocks of ``data`` (bytes-like):
+    a replaced or rewritten shard is found without reading it all."""
+    view = memoryview(data).cast("B")
+    n, h = len(view), hashlib.sha256()
+    h.update(n.to_bytes(8, "little"))
+    for k in range(SAMPLE_BLOCKS):
+        at = (n - SAMPLE_BYTES) * k // max(SAMPLE_BLOCKS - 1, 1) if n > SAMPLE_BYTES else 0
+        h.update(view[at:at + SAMPLE_BYTES])
+    return h.hexdigest()
+
+
+def prepare_again(folder) -> str:
+    return (f"prepare the folder again (`meshtrain prepare-data INPUT... --out {folder} --overwrite`); "
+            f"`meshtrain prepare-data --verify {folder}` checks every byte")
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -59,14 +101,25 @@ class TokenFiles:
             self.vocab_size, self.eos_id = int(index["vocab_size"]), int(index["eos_id"])
             self.num_tokens, self.checksum = int(index["num_tokens"]), index["checksum"]
             self.tokenizer = index["tokenizer"]
-            ok = (index.get("format"), index.get("version")) == (FORMAT, VERSION)
+            fmt, version = index.get("format"), index.get("version")
+            if (fmt, version) == (FORMAT, VERSION):
+                self.tokenizer_id = index["tokenizer_id"]
+                self.samples = [s["sample_sha256"] for s in shards]
+                self.max_ids = [int(s["max_id"]) for s in shards]
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise ConfigError(f"{where}: {path} is not a meshtrain token index ({err!r})") from None
-        if not ok:
+        if fmt == FORMAT and isinstance(version, int) and version < VERSION:
+            raise ConfigError(f"{where}: {path} was written by an earlier meshtrain (index version {version}), "
+                              f"which did not record the tokenizer's identity nor the shards' checksums; "
+                              f"{prepare_again(folder)}")
+        if (fmt, version) != (FORMAT, VERSION):
             raise ConfigError(f"{where}: {path} is not a {FORMAT} version {VERSION} index")
         if index_checksum(index) != self.checksum or sum(s["tokens"] for s in shards) != self.num_tokens:
             raise ConfigError(f"{where}: {path} is inconsistent (its checksum or token count does not "
                               f"match its contents); prepare the folder again")
+        if max(self.max_ids, default=0) >= self.vocab_size:
+            raise ConfigError(f"{where}: {path} records token ids up to {max(self.max_ids)}, beyond its "
+                              f"vocabulary of {self.vocab_size}; {prepare_again(folder)}")
         # Sizes, not contents: a stat per shard, however big the corpus. A full check of
         # every byte is `meshtrain prepare-data --verify FOLDER`.
         self.paths = [self.folder / s["file"] for s in shards]
@@ -93,8 +146,21 @@ class TokenFiles:
             # default read-ahead would read ~128 KB from disk around each one.
             if hasattr(mm, "madvise"):
                 mm.madvise(mmap.MADV_RANDOM)
+            if sample_sha256(mm) != self.samples[i]:  # 64 KiB, once per shard and process
+                raise DataDamage(f"{self.paths[i]} does not match the checksum {self.folder / INDEX} recorded "
+                                 f"when it was prepared (replaced or damaged since); {prepare_again(self.folder)}")
             self._maps[i] = np.frombuffer(mm, dtype=self.dtype)
         return self._maps[i]
+
+    def check_ids(self, ids: np.ndarray, start: int) -> None:
+        """DataDamage naming the shard if any id of the window read at ``start`` is outside
+        the vocabulary the folder was prepared with (the model's is at least as large)."""
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            at = start + self.first + int(np.argmax(ids >= self.vocab_size))
+            i = int(np.searchsorted(self.starts, at, side="right")) - 1
+            raise DataDamage(f"{self.paths[i]} holds token id {int(ids.max())} at token {at - int(self.starts[i]):,}, "
+                             f"beyond the vocabulary of {self.vocab_size} it was prepared with (replaced or "
+                             f"damaged since); {prepare_again(self.folder)}")
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the sequence, across shard boundaries if need be."""
@@ -129,7 +195,11 @@ class TokenFileLoader(DataLoader):
 
     def _windows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         width = self.seq_len + 1
-        w = np.stack([self.tokens.read(int(i) * width, width) for i in ids]).astype(np.int64)
+        w = np.stack([self.tokens.read(int(i) * width, width) for i in ids])
+        if w.size and int(w.max()) >= self.tokens.vocab_size:  # one max per batch; the search only on failure
+            for i, row in zip(ids, w):
+                self.tokens.check_ids(row, int(i) * width)
+        w = w.astype(np.int64)
         w = torch.from_numpy(w)
         return w[:, :-1], w[:, 1:]
 
@@ -149,11 +219,7 @@ def build_token_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int
     """``span(num_tokens) -> (start, stop)``: read only those tokens of the stream (a
     held-out split, training/data.py `held_out_range`); None: all of them."""
     files = TokenFiles(cfg.dataset_path)
-    if files.vocab_size > tokenizer.vocab_size:
-        raise ConfigError(f'[training] dataset_path = "{cfg.dataset_path}": {files.folder / INDEX} was '
-                          f"tokenized with {files.tokenizer} ({files.vocab_size} tokens), more than "
-                          f'[training] tokenizer = "{cfg.tokenizer}" has ({tokenizer.vocab_size}); set '
-                          f"tokenizer to the one the folder was prepared with")
+    check_tokenizer(files.folder / INDEX, files.tokenizer, files.tokenizer_id, cfg.tokenizer)
     max_tokens = getattr(cfg, "max_tokens", None)
     if max_tokens is not None:
         files.num_tokens = min(files.num_tokens, max_tokens)
@@ -161,3 +227,13 @@ def build_token_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int
         files.first, files.num_tokens = span(files.num_tokens)
     return TokenFileLoader(files, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
                            local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
+
+
+def check_tokenizer(index_path: Path, prepared: str, prepared_id: str, spec: str) -> None:
+    """ConfigError naming both unless ``spec`` (the run's [training] tokenizer) is the
+    tokenizer the folder was prepared with: the same ids mean other text under another one."""
+    if tokenizer_id(spec) != prepared_id:
+        raise ConfigError(f'[training] tokenizer = "{spec}" is not the tokenizer {index_path} was prepared with '
+                          f'("{prepared}", {prepared_id[:19]}...): its token ids would mean other text. Set '
+                          f"[training] tokenizer to the one the folder was prepared with, or prepare the data "
+                          f"again with this one")

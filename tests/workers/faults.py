@@ -6,6 +6,7 @@
     faults.py stall K S SECONDS [train.py args] rank K sleeps SECONDS before step S
     faults.py nan S [train.py args]             the loss of step S is NaN on every rank
     faults.py disk_full K S [train.py args]     rank K's checkpoint writes fail with ENOSPC from step S
+    faults.py sigterm_startup K POINT [args]    rank K gets SIGTERM at POINT of start-up (tests/workers/startup_points.py)
 
 Everything else — torchrun, the process groups, checkpoints, the restart — is real.
 """
@@ -74,6 +75,14 @@ elif mode == "disk_full":  # rank `who`'s writes fail with ENOSPC from step `whe
 
     def before(step):
         current[0] = step
+elif mode == "sigterm_startup":
+    who, point, argv = int(argv[0]), argv[1], argv[2:]
+    if rank == who:
+        from tests.workers.startup_points import signal_at
+        signal_at(point)
+
+    def before(step):
+        pass
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

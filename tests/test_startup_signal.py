@@ -1,0 +1,50 @@
+"""SIGTERM while a run is still starting (pre-emption does not wait for the first step):
+one line, exit 128 + 15, no traceback, the saved checkpoints intact, and the same command
+afterwards resumes as if nothing happened."""
+
+import signal
+
+import pytest
+
+from meshtrain.training.checkpoint import complete_checkpoints
+from tests.conftest import ROOT, torchrun
+from tests.in_process import tiny_run, train_in_process
+from tests.workers import startup_points
+
+
+def stopped(result) -> str:
+    message = result.stderr.strip()
+    assert result.code == 128 + signal.SIGTERM, (result.code, result.stdout[-1500:], message[-1500:])
+    assert message.startswith("meshtrain: error: stopped by SIGTERM during start-up")
+    assert message.count("\n") == 0 and "Traceback" not in message, message
+    return message
+
+
+def test_sigterm_at_each_moment_of_start_up_ends_with_one_line_and_resumes_after(tmp_path, monkeypatch):
+    assert train_in_process(*tiny_run(tmp_path, "run", "--training.steps=2")).code == 0
+    folder = tmp_path / "run" / "checkpoint"
+    saved = {p.name: sorted(f.name for f in p.iterdir()) for _, p in complete_checkpoints(folder)}
+    for point in startup_points.POINTS:
+        with monkeypatch.context() as m:
+            startup_points.signal_at(point, setattr=m.setattr)
+            stopped(train_in_process(*tiny_run(tmp_path, "run", "--training.steps=4")))
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run put the handler back
+        assert {p.name: sorted(f.name for f in p.iterdir()) for _, p in complete_checkpoints(folder)} == saved
+    resumed = train_in_process(*tiny_run(tmp_path, "run", "--training.steps=4"))
+    assert resumed.code == 0 and "resumed at step 2" in resumed.stdout, resumed.stderr[-2000:]
+    assert [s for s, _ in complete_checkpoints(folder)] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["config", "run_dir"])
+def test_sigterm_to_one_rank_during_start_up_stops_the_job_without_a_traceback(tmp_path, point):
+    # Rank 1 is signalled before torch is imported, or just after the process group is up;
+    # torchrun then stops rank 0, wherever it is in its own start-up.
+    proc = torchrun("tests/workers/faults.py", "sigterm_startup", "1", point, "--config", "debug_2d",
+                    "--parallelism.tp=1", "--parallelism.dp_shard=2", "--training.steps=2",
+                    "--training.seq_len=16", f"--job.output_dir={tmp_path}", "--job.name=run", nproc=2,
+                    timeout=240)
+    assert proc.returncode != 0
+    assert "meshtrain: error: stopped by SIGTERM during start-up" in proc.stderr, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if 'File "' in line and str(ROOT) in line]
+    assert not ours, proc.stderr[-3000:]  # torchrun's own report may have a traceback; no frame of ours
