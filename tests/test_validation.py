@@ -567,3 +567,17 @@ def test_sft_validation_data_of_its_own_and_too_little_of_it(tmp_path):
                                           r'.jsonl"\): corpus too small: 2 records held out for validation of .* pack '
                                           r"into 2 sequences"):
         validation_loader(cfg, dp_rank=0, dp_size=1)
+
+
+def test_sft_validation_with_no_response_token_left_is_refused(tmp_path):
+    """Records whose prompts fill the whole sequence, so truncation cuts every response:
+    no token to score, which would read as a loss of 0. Refused, naming the data and seq_len."""
+    long_prompts = [{"prompt": f"#{i}: " + "x" * 120, "response": " done."} for i in range(40)]
+    write_jsonl(tmp_path / "val.jsonl", long_prompts)
+    sft_data(tmp_path)
+    own = ["--validation.split=0", "--validation.dataset=sft", f"--validation.dataset_path={tmp_path / 'val.jsonl'}",
+           "--validation.steps=1"]
+    cfg = load_config(None, [*sft_flags(tmp_path), *own])
+    with pytest.raises(ConfigError, match=r'dataset_path = ".*val.jsonl": the 1 validation batches hold no response '
+                                          r"token to score .*seq_len \+ 1 = 97"):
+        validation_loader(cfg, dp_rank=0, dp_size=1)

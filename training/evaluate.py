@@ -72,6 +72,12 @@ def validation_loader(cfg: JobConfig, *, dp_rank: int, dp_size: int):
                           f"{t.seq_len + 1} tokens, but the validation data makes only {data.num_windows}; "
                           f"use steps <= {data.num_windows // t.global_batch_size}"
                           + (" or a larger split" if not v.dataset else ""))
+    if hasattr(data, "global_sequences"):  # sft: a loss needs at least one response token to score
+        # The same global batches on every rank, so every rank refuses alike (no collective).
+        if not any(data.global_sequences(k)[1][:, 1:].any() for k in range(v.steps)):
+            raise ConfigError(f"{where}: the {v.steps} validation batches hold no response token to score "
+                              f"(every response cut off at seq_len + 1 = {t.seq_len + 1} tokens, or none in "
+                              f"the records); use a longer seq_len or records with responses")
     return data
 
 
