@@ -297,3 +297,13 @@ def test_sigterm_while_preparing_is_one_line_and_the_same_command_resumes(corpus
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     monkeypatch.setattr(prepare_data, "tokenize_unit", real)
     assert run(corpus, tmp_path / "out") == 0 and files_of(tmp_path / "out") == files_of(tmp_path / "ref")
+
+
+def test_inputs_with_no_text_are_refused_and_leave_no_dataset(tmp_path, capsys):
+    """An empty file (or jsonl whose text is all empty): no tokens at all. Refused at once,
+    rather than a dataset of nothing that training would refuse later as too small."""
+    (tmp_path / "empty.txt").write_text("")
+    assert run(tmp_path / "empty.txt", tmp_path / "out") == 2
+    line = error_line(capsys)
+    assert "empty.txt: no text to tokenize" in line and "--text-key" in line
+    assert not (tmp_path / "out").exists()

@@ -187,6 +187,11 @@ def _prepare(inputs, out, tokenizer, workers, text_key, shard_tokens, progress, 
     if fill:
         finish_shard(len(units), 0, documents)
     bar.update(done_bytes, tokens_made, final=True)
+    if not shards:  # a dataset of nothing would only fail later, at training's "corpus too small"
+        if not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise ConfigError(f"{', '.join(inputs)}: no text to tokenize (0 tokens; for .jsonl/.parquet, is "
+                          f'"{text_key}" the field that holds it? see --text-key); nothing was written to {out}')
     index = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer, "tokenizer_id": tokenizer_id(tokenizer),
              "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": dtype, "num_documents": documents,
              "num_tokens": sum(s["tokens"] for s in shards), "shard_tokens": shard_tokens,
