@@ -96,6 +96,8 @@ def test_a_destination_of_the_wrong_kind_is_named_with_the_fix(step, tmp_path, c
     code, err = export(capsys, step, file / "hf", "--format", "hf")
     assert code == 2 and f"{file} is a file, so {file / 'hf'} cannot be created under it" in err, err
     assert file.read_text() == "mine"
+    code, err = export(capsys, file, tmp_path / "out", "--format", "hf")  # a file given as the checkpoint
+    assert code == 2 and f"checkpoint folder {file} is a file: give a step's checkpoint folder" in err, err
 
 
 def test_a_damaged_model_config_is_named(step, tmp_path, capsys):

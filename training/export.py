@@ -109,7 +109,9 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
     the new one is complete (training/export_target.py)."""
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {checkpoint_dir} does not exist")
+        raise FileNotFoundError(f"checkpoint folder {checkpoint_dir} " + (
+            "is a file: give a step's checkpoint folder, e.g. outputs/RUN/checkpoint/step-00000100"
+            if checkpoint_dir.exists() else "does not exist"))
     steps = sorted((p for p in checkpoint_dir.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
                    key=lambda p: int(p.name[5:]))
     if steps and not (checkpoint_dir / "model_config.json").exists():
