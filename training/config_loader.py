@@ -84,7 +84,8 @@ def _toml_value(v) -> str:
 def _where(section: str, key: str, value, source: str | None) -> str:
     """How the user wrote this setting, prefixed by where: the start of every message."""
     if source == CLI:
-        shown = _toml_value(value) if isinstance(value, bool) else value
+        shown = _toml_value(value) if isinstance(value, bool) else \
+            ",".join(map(str, value)) if isinstance(value, list) else value  # as it was typed
         return f"{CLI}: --{section}.{key}={shown}"
     prefix = f"{source}: " if source else ""
     return f"{prefix}[{section}] {key} = {_toml_value(value)}"
