@@ -42,7 +42,7 @@ def wandb_records(path):
 
 
 def read_wandb(run_dir):
-    [path] = run_dir.glob("wandb/wandb/offline-run-*/run-*.wandb")
+    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     history, config = {}, {}
     for record in wandb_records(path):
         kind = record.WhichOneof("record_type")

@@ -52,7 +52,7 @@ def open_tracker(name: str, run_dir: Path, *, tb_dir: Path, run_name: str, confi
     if name == "tensorboard":
         return TensorBoardTracker(tb_dir, config_text, purge_step)
     if name == "wandb":
-        return WandbTracker(run_dir / "wandb", run_name, config)
+        return WandbTracker(run_dir, run_name, config)
     if name == "mlflow":
         return MLflowTracker(run_dir / "mlflow", run_name, config)
     if name == "trackio":
@@ -79,12 +79,12 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, folder: Path, run_name: str, config: dict):
+    def __init__(self, run_dir: Path, run_name: str, config: dict):
         import wandb
 
-        folder.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)  # W&B writes into its wandb/ there
         # console="off": the console line is meshtrain's own; W&B would capture it a second time.
-        self.run = wandb.init(mode=os.environ.get("WANDB_MODE", "offline"), dir=str(folder), project=run_name,
+        self.run = wandb.init(mode=os.environ.get("WANDB_MODE", "offline"), dir=str(run_dir), project=run_name,
                               name=run_name, config=config, settings=wandb.Settings(console="off", silent=True))
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
