@@ -84,8 +84,7 @@ def _toml_value(v) -> str:
 def _where(section: str, key: str, value, source: str | None) -> str:
     """How the user wrote this setting, prefixed by where: the start of every message."""
     if source == CLI:
-        shown = _toml_value(value) if isinstance(value, bool) else \
-            ",".join(map(str, value)) if isinstance(value, list) else value  # as it was typed
+        shown = _toml_value(value) if isinstance(value, bool) else value
         return f"{CLI}: --{section}.{key}={shown}"
     prefix = f"{source}: " if source else ""
     return f"{prefix}[{section}] {key} = {_toml_value(value)}"
@@ -184,7 +183,7 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         if fix:
             where = _where("metrics", "trackers", cfg.metrics.trackers, sources.get(("metrics", "trackers")))
             raise ConfigError(f"{where} names {name}, whose package is not installed: {fix}, "
-                              f"or leave {name} out of the list")
+                              f"or leave {name} out of [metrics] trackers")
     p = cfg.profiling
     if p.enable and p.start_step > t.steps:
         where = _where("profiling", "start_step", p.start_step, sources.get(("profiling", "start_step")))
