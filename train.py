@@ -23,7 +23,7 @@ from pathlib import Path
 
 from meshtrain.training import startup_signals
 from meshtrain.training.config import ConfigError
-from meshtrain.training.config_loader import config_to_toml, parse_args
+from meshtrain.training.config_loader import config_to_dict, config_to_toml, parse_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                                  is_collective_failure, set_collective_timeout, skip_or_stop, step_phase)
     from meshtrain.training.metrics import (MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token,
                                   set_aside_earlier_run)
+    from meshtrain.training.profiling import Profiler
 
     t = cfg.training
     torch.manual_seed(t.seed)  # torch's own generators too (every rank alike): a rerun repeats bitwise
@@ -93,37 +94,45 @@ def main(argv: list[str] | None = None) -> None:
     if start_step == 0 and dist.get_rank() == 0:
         set_aside_earlier_run(run_dir / "tb")                # a new run gets its own TensorBoard curve
     metrics = MetricsLogger(run_dir / "tb", rank=dist.get_rank(), log_freq=cfg.metrics.log_freq,
-                            enable_tensorboard=cfg.metrics.enable_tensorboard, config_text=config_to_toml(cfg),
-                            purge_step=start_step + 1 if start_step else None)
+                            enable_tensorboard=cfg.metrics.enable_tensorboard, trackers=cfg.metrics.trackers,
+                            config=config_to_dict(cfg), config_text=config_to_toml(cfg),
+                            purge_step=start_step + 1 if start_step else None, run_name=cfg.job.name)
+    profiler = Profiler(cfg.profiling, run_dir, dist.get_rank(), device)  # [profiling]'s window, if enabled
     peak, tokens_per_step = device_peak_flops(device), t.global_batch_size * t.seq_len
     announce(n_params, layout, layout.grad_accum(t.global_batch_size), mesh, start_step, run_dir)
 
     stop, skipped, stopping, began = GracefulStop(), 0, None, time.perf_counter()
     try:
         for n in range(start_step + 1, t.steps + 1):
-            start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
-            loss, grad_norm = step(data.batch(n - 1), n)
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the weights were left alone
-                skipped = skip_or_stop(n, loss, grad_norm, skipped, checkpoint, data, t)
-            scheduler.step()
-            if n == start_step + 1:  # start-up is over: from now on a long wait means a dead rank
-                set_collective_timeout(cfg.comm.train_timeout_seconds)
-            if metrics.should_log(n):
-                # Per device, the convention published throughput numbers use.
-                tps = tokens_per_step / (time.perf_counter() - start) / dist.get_world_size()
-                scalars = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps}
-                if peak:
-                    scalars["mfu"] = 100 * tps * flops / peak
-                metrics.log(n, {**scalars, **memory_stats(device)})
-            if validation is not None and validation.due(n, last=n == t.steps):
-                metrics.log(n, validation.run(n))  # forward only, on held-out data: training is untouched
-            stopping = stop.agreed(device)  # every rank stops after the same step
-            if checkpoint is not None and (stopping or checkpoint.should_save(n, last=n == t.steps)):
-                with step_phase(n, "checkpoint save"):
-                    checkpoint.save(n, data_state=data.state_dict(), last=n == t.steps)
-            if stopping:
-                say_stopped(stopping, n, checkpoint)
-                break
+            with profiler.step(n):  # a no-op outside [profiling]'s window
+                start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
+                loss, grad_norm = step(data.batch(n - 1), n)
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the weights were left alone
+                    skipped = skip_or_stop(n, loss, grad_norm, skipped, checkpoint, data, t)
+                scheduler.step()
+                if n == start_step + 1:  # start-up is over: from now on a long wait means a dead rank
+                    set_collective_timeout(cfg.comm.train_timeout_seconds)
+                if metrics.should_log(n):
+                    # Per device, the convention published throughput numbers use.
+                    tps = tokens_per_step / (time.perf_counter() - start) / dist.get_world_size()
+                    scalars = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps}
+                    if peak:
+                        scalars["mfu"] = 100 * tps * flops / peak
+                    metrics.log(n, {**scalars, **memory_stats(device)})
+                if validation is not None and validation.due(n, last=n == t.steps):
+                    metrics.log(n, validation.run(n))  # forward only, on held-out data: training is untouched
+                stopping = stop.agreed(device)  # every rank stops after the same step
+                if checkpoint is not None and (stopping or checkpoint.should_save(n, last=n == t.steps)):
+                    with step_phase(n, "checkpoint save"):
+                        checkpoint.save(n, data_state=data.state_dict(), last=n == t.steps)
+                if stopping:
+                    say_stopped(stopping, n, checkpoint)
+                    break
+    except torch.OutOfMemoryError:
+        where = profiler.out_of_memory()  # CUDA: the allocator's snapshot, written now
+        if where:
+            print(f"meshtrain: {where}", file=sys.stderr, flush=True)
+        raise
     except RuntimeError as err:
         if is_collective_failure(err):
             raise CollectiveFailure(describe_collective_failure(err, cfg.comm.train_timeout_seconds)) from err
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         stop.restore()  # the start-up handler again (run() installed it)
         startup_signals.training_over()
+        profiler.close(n)
     if checkpoint is not None:
         checkpoint.close()
     metrics.close()

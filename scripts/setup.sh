@@ -8,5 +8,6 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-"$PY" -m pip install --quiet -e ".[dev]"
+# The trackers' extras too: tests/test_trackers.py runs each against its real package.
+"$PY" -m pip install --quiet -e ".[dev,wandb,mlflow,trackio]"
 "$PY" -c "import torch; print(f'meshtrain ready: torch {torch.__version__}, cuda={torch.cuda.is_available()}')"

@@ -30,7 +30,9 @@ def changed(section) -> object:
     new = {}
     for f in dataclasses.fields(section):
         v, meta = default_of(f), f.metadata
-        if "choices" in meta:
+        if "choices" in meta and isinstance(v, list):  # a list of choices: another of them
+            new[f.name] = [next(c for c in choices(meta) if c not in v)]
+        elif "choices" in meta:
             new[f.name] = next((c for c in choices(meta) if c != v), v)
         elif f.type is bool:
             new[f.name] = not v

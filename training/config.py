@@ -195,10 +195,27 @@ class CheckpointSection:
                                "checkpoint to resume")
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+
+
 @dataclass
 class MetricsSection:
     log_freq: int = opt(10, "log every this many steps", min=1)
-    enable_tensorboard: bool = opt(True, "write TensorBoard event files")
+    enable_tensorboard: bool = opt(True, "write TensorBoard event files; false drops tensorboard from trackers")
+    trackers: list[str] = opt(["tensorboard"], "where rank 0 logs the scalars and the config: tensorboard "
+                              "(the run folder's tb/), wandb (offline, wandb/), mlflow (a file store, "
+                              "mlflow/), trackio (trackio/); the last three are extras, e.g. "
+                              'pip install "meshtrain[wandb]" (docs/tensorboard.md)', choices=TRACKERS)
+
+
+@dataclass
+class ProfilingSection:
+    enable: bool = opt(False, "profile a window of steps: a torch.profiler trace per rank under the run "
+                       "folder's profile/, and memory (CUDA: the allocator's history; CPU: peak RSS per "
+                       "step phase); see docs/profiling.md")
+    start_step: int = opt(3, "the first profiled step (the first steps are slower: warm-up, compilation)",
+                          min=1)
+    steps: int = opt(2, "profiled steps, from start_step on", min=1, max=1000)
 
 
 @dataclass
@@ -268,6 +285,7 @@ class JobConfig:
     float8: Float8Section = field(default_factory=Float8Section)
     validation: ValidationSection = field(default_factory=ValidationSection)
     comm: CommSection = field(default_factory=CommSection)
+    profiling: ProfilingSection = field(default_factory=ProfilingSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(JobConfig)}

@@ -20,6 +20,7 @@ from typing import Any
 
 from meshtrain.models import registry
 from meshtrain.training.config import SECTIONS, ConfigError, JobConfig, choices, default_of
+from meshtrain.training.trackers import missing_package, resolve_trackers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -177,6 +178,17 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         raise ConfigError(f"{where} must divide global_batch_size = {t.global_batch_size}: every "
                           f"step runs whole micro-batches. Use a divisor of {t.global_batch_size}, "
                           f"or 0 for one micro-batch per rank.")
+    for name in resolve_trackers(cfg.metrics.trackers, cfg.metrics.enable_tensorboard):
+        fix = missing_package(name)
+        if fix:
+            where = _where("metrics", "trackers", cfg.metrics.trackers, sources.get(("metrics", "trackers")))
+            raise ConfigError(f"{where} names {name}, whose package is not installed: {fix}, "
+                              f"or leave {name} out of [metrics] trackers")
+    p = cfg.profiling
+    if p.enable and p.start_step > t.steps:
+        where = _where("profiling", "start_step", p.start_step, sources.get(("profiling", "start_step")))
+        raise ConfigError(f"{where} is after the last step ([training] steps = {t.steps}): nothing would be "
+                          f"profiled. Use a start_step from 1 to {t.steps}")
     v = cfg.validation
     check_validation(cfg, sources, needed_by=_where("validation", "enable", v.enable,
                                                     sources.get(("validation", "enable"))) if v.enable else "")

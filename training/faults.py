@@ -63,17 +63,24 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 class step_phase:
-    """Where this rank is, for error messages: ``with step_phase(3, "optimizer step"): ...``."""
+    """Where this rank is, for error messages: ``with step_phase(3, "optimizer step"): ...``.
+    ``watcher``: set by training/profiling.py inside a profiled window, told each phase's
+    start and end (``enter(what)`` / ``exit(what)``); None otherwise, costing nothing."""
 
     current = "start-up"
+    watcher = None
 
     def __init__(self, step: int, what: str):
-        self.label = f"step {step}, {what}"
+        self.label, self.what = f"step {step}, {what}", what
 
     def __enter__(self):
         step_phase.current = self.label
+        if step_phase.watcher is not None:
+            step_phase.watcher.enter(self.what)
 
     def __exit__(self, kind, err, tb):
+        if step_phase.watcher is not None:
+            step_phase.watcher.exit(self.what)
         return False
 
 

@@ -1,4 +1,4 @@
-"""Throughput, MFU and memory numbers, and a rank-0 logger (console + TensorBoard)."""
+"""Throughput, MFU and memory numbers, and a rank-0 logger (console + the trackers)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from meshtrain.physics.flops import flops_per_token
 from meshtrain.physics.gpus import GIB, gpu_of_device
+from meshtrain.training.trackers import open_tracker, resolve_trackers
 
 
 def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -174,26 +175,30 @@ def set_aside_earlier_run(log_dir: str | Path) -> Path | None:
 
 
 class MetricsLogger:
-    """Console line + TensorBoard scalars, written by rank 0 only.
+    """Console line + the trackers' scalars (training/trackers.py), written by rank 0 only.
 
     Every rank builds one and calls it the same way; on other ranks it holds no files and
     ``log`` does nothing. ``should_log`` is the same on every rank, so ranks can agree on
-    when to run any collective that computes a logged value.
+    when to run any collective that computes a logged value. ``log`` is the one place the
+    scalars fan out: each tracker gets the same dict.
     """
 
-    def __init__(self, log_dir: str | Path, *, rank: int, log_freq: int, enable_tensorboard: bool,
-                 config_text: str | None = None, purge_step: int | None = None):
-        """``purge_step``: a resumed run's first step; TensorBoard drops what an earlier,
-        interrupted run logged from there on, so the curve shows each step once."""
+    def __init__(self, log_dir: str | Path, *, rank: int, log_freq: int, enable_tensorboard: bool = True,
+                 trackers: list[str] = ("tensorboard",), config: dict | None = None,
+                 config_text: str | None = None, purge_step: int | None = None, run_name: str = "meshtrain"):
+        """``log_dir``: TensorBoard's folder; the other trackers write beside it (its parent
+        is the run folder). ``purge_step``: a resumed run's first step; TensorBoard drops
+        what an earlier, interrupted run logged from there on, so the curve shows each step
+        once. ``config``: the run's config as {section: {key: value}}, the hyperparameters."""
         if log_freq < 1:
             raise ValueError(f"log_freq must be >= 1, got {log_freq}")
         self.log_dir = Path(log_dir)
         self.rank = rank
         self.log_freq = log_freq
-        self.enable_tensorboard = enable_tensorboard and rank == 0
-        self.config_text = config_text
-        self.purge_step = purge_step
-        self._writer = None  # created on the first write: no empty event files, no import on other ranks
+        self.trackers = resolve_trackers(list(trackers), enable_tensorboard) if rank == 0 else []
+        self.config, self.config_text = config or {}, config_text
+        self.purge_step, self.run_name = purge_step, run_name
+        self._open = None  # opened on the first write: no empty files, no imports on other ranks
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.log_freq == 0
@@ -204,26 +209,18 @@ class MetricsLogger:
         scalars = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
         shown = [_format(k, v) for k, v in scalars.items() if k not in _TENSORBOARD_ONLY]
         print(" | ".join([f"step {step:>4d}", *shown]), flush=True)
-        writer = self._get_writer()
-        if writer is None:
-            return
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-        writer.flush()  # a crash loses at most the line being written
+        for tracker in self._trackers():
+            tracker.log(step, scalars)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for tracker in self._open or ():
+            tracker.close()
+        self._open = None
 
-    def _get_writer(self):
-        if not self.enable_tensorboard:
-            return None
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(str(self.log_dir), purge_step=self.purge_step)
-            if self.config_text is not None:
-                # Fenced so TensorBoard's markdown keeps the config's line breaks and indentation.
-                self._writer.add_text("config", f"```\n{self.config_text}\n```", 0)
-        return self._writer
+    def _trackers(self) -> list:
+        if self._open is None:
+            self._open = [open_tracker(name, self.log_dir.parent, tb_dir=self.log_dir, run_name=self.run_name,
+                                       config=self.config, config_text=self.config_text,
+                                       purge_step=self.purge_step)
+                          for name in self.trackers]
+        return self._open

@@ -16,11 +16,11 @@ if_config_differs = "resume"); everything listed here as allowed is not one.
 from __future__ import annotations
 
 # What may change between a run and its resumption without making it another experiment:
-# the layout (checkpoints reshard), the length of the run, logging, checkpointing, timeouts,
+# the layout (checkpoints reshard), the length of the run, logging, profiling, checkpointing, timeouts,
 # and evaluation -- all but [validation] split, which decides what training reads.
 _MAY_CHANGE = {"job": {"name", "output_dir", "description", "device"}, "training": {"steps", "local_batch_size"},
                "parallelism": None, "checkpoint": None, "metrics": None, "comm": None,
-               "activation_checkpoint": None, "compile": None,
+               "activation_checkpoint": None, "compile": None, "profiling": None,
                "validation": {"enable", "interval", "steps", "dataset", "dataset_path"}}
 
 
