@@ -88,10 +88,16 @@ def run(argv: list[str]) -> dict:
     return result
 
 
-if __name__ == "__main__":
+def run_each(run) -> None:
+    """A worker's command line, OUT_DIR RUNS.json: ``run(argv)`` for each named train.py
+    command line in turn (one start-up for them all); rank 0 saves each result as OUT_DIR/NAME.pt."""
     out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     for name, argv in runs.items():
         result = run(argv)
         if dist.get_rank() == 0:
             torch.save(result, out / f"{name}.pt")
     shutdown_distributed()
+
+
+if __name__ == "__main__":
+    run_each(run)

@@ -12,16 +12,11 @@ RUNS.json maps a run name to its train.py arguments; results go to OUT_DIR/NAME.
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
 
-from meshtrain.parallel import shutdown_distributed, submesh
+from meshtrain.parallel import submesh
 from meshtrain.training.evaluate import Validation
-from tests.workers.recipe_runs import build_run, full_weights
+from tests.workers.recipe_runs import build_run, full_weights, run_each
 
 
 def run(argv: list[str]) -> dict:
@@ -42,9 +37,4 @@ def run(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    for name, argv in runs.items():
-        result = run(argv)
-        if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}.pt")
-    shutdown_distributed()
+    run_each(run)
