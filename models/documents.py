@@ -2,8 +2,9 @@
 and the attention mask they imply -- causal inside a document, nothing across two.
 
 A packed sequence carries its boundaries as ``positions`` [b, s] (int64): 0, 1, 2, ... in
-each document, 0 again at the next one (training/sft.py makes them; padding is a document
-of its own). So one small tensor gives both what rotary / learned position embeddings
+each document, 0 again at the next one (training/sft.py makes them for packed records,
+padding being a document of its own; training/loader.py's split_documents for the
+EOS-separated documents of a pretraining window). So one small tensor gives both what rotary / learned position embeddings
 read and where attention must stop, and it is what transformers' ``position_ids`` are: a
 Hugging Face model given them detects the documents itself (masking_utils'
 find_packed_sequence_indices).

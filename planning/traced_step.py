@@ -67,6 +67,16 @@ def activation_seq(cfg, layout) -> int:
     return seq // tp if (tp > 1 and cfg.parallelism.sequence_parallel) else seq
 
 
+def packed_inputs(cfg, batch: int) -> dict:
+    """The model's keyword inputs under [training] document_masking: whole-sequence
+    positions (under context parallelism too, as training/step.py passes them), from which
+    the model builds its [batch, 1, seq, seq] mask -- what the trace must count. Their
+    values do not matter on fake tensors, only their shape."""
+    if not cfg.training.document_masking:
+        return {}
+    return {"positions": torch.zeros(batch, cfg.training.seq_len, dtype=torch.long)}
+
+
 def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, actions=None) -> str:
     """One training step of this rank on fake tensors (see the module docstring). Of the
     step's gradient-accumulation micro-batches one is traced: each is the same work and
@@ -83,7 +93,7 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
         tokens = torch.randint(0, model_cfg.vocab_size, (local, rank_seq(cfg, layout)))
         with loss_parallel_context(loss_parallel):
             comm.phase = "forward"
-            loss = cross_entropy(parts[0][1](tokens), tokens)
+            loss = cross_entropy(parts[0][1](tokens, **packed_inputs(cfg, local)), tokens)
             comm.phase = "backward"
             loss.backward()
         traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
@@ -150,7 +160,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
                 x = (torch.randint(0, model_cfg.vocab_size, (mb, rank_seq(cfg, layout))) if a.stage == 0 else
                      torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
                 comm.phase = f"forward of stage {a.stage}, micro-batch {a.microbatch}"
-                out = part(x)
+                out = part(x, **packed_inputs(cfg, mb))  # every stage gets them, as in the schedule
                 comm.stage_io[a.stage] = ((tuple(x.shape), x.dtype), (tuple(out.shape), out.dtype))
                 labels = torch.zeros(mb, rank_seq(cfg, layout), dtype=torch.long)
                 pending[a.stage, a.microbatch] = (cross_entropy(out, labels)

@@ -231,6 +231,111 @@ def test_without_positions_the_models_run_as_before(packed):
     assert not torch.allclose(plain, masked, atol=1e-3)
 
 
+# ---------------------------------------------------------------- pretraining streams
+
+EOS = 257  # the byte tokenizer's, between the documents of a stream
+
+
+def short_documents(n: int, seed: int) -> list[str]:
+    """Documents of 5 to 60 characters: a window of 128 tokens holds several."""
+    g = np.random.default_rng(seed)
+    return [f"doc{i}:" + "".join(g.choice(list("abcdefgh ,."), size=int(g.integers(1, 55)))) for i in range(n)]
+
+
+def stream_loader(path, dataset: str, *, document_masking: bool):
+    import types
+
+    from meshtrain.training.data import build_dataloader
+
+    c = types.SimpleNamespace(dataset=dataset, dataset_path=str(path), tokenizer="byte", seq_len=SEQ_LEN,
+                              global_batch_size=4, local_batch_size=2, seed=3, document_masking=document_masking)
+    return build_dataloader(c, dp_rank=0, dp_size=1)[0]
+
+
+@pytest.fixture(scope="module", params=["text", "tokens"])
+def stream(request, tmp_path_factory):
+    """(raw windows [G, seq_len + 1] of step 0, loader with document masking): a jsonl corpus
+    of short documents, tokenized at start-up ("text") or prepared by prepare-data
+    ("tokens", whose EOS id is its index's). The raw windows come from the same loader
+    without masking: the windows and order of today's causal stream."""
+    from meshtrain.training import prepare_data
+
+    root = tmp_path_factory.mktemp("stream")
+    path = root / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in short_documents(400, seed=5)))
+    if request.param == "tokens":
+        prepare_data.prepare([str(path)], str(root / "prepared"), workers=1)
+        path = root / "prepared"
+    inputs, labels = stream_loader(path, request.param, document_masking=False).global_batch(0)
+    windows = torch.cat([inputs, labels[:, -1:]], dim=1)
+    assert all(int((w == EOS).sum()) >= 2 for w in windows)  # several documents a window
+    return windows, stream_loader(path, request.param, document_masking=True)
+
+
+def documents_alone_token_losses(forward, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(losses, counted) [G, seq_len]: each window cut into its documents -- a piece ends
+    with its EOS, or at the window's end -- and each piece run alone through ``forward``;
+    a piece's tokens predict the next ones of the same piece and nothing else (an EOS
+    predicts nothing: what follows it is another document)."""
+    losses, counted = [], []
+    for w in windows.tolist():
+        pieces, start = [], 0
+        for i, t in enumerate(w):
+            if t == EOS or i == len(w) - 1:
+                pieces.append(w[start:i + 1])
+                start = i + 1
+        row, keep = [], []
+        for piece in pieces:
+            if len(piece) > 1:
+                tokens = torch.tensor(piece)[None]
+                row.append(F.cross_entropy(forward(tokens)[0, :-1].float(), tokens[0, 1:], reduction="none"))
+                keep.append(torch.ones(len(piece) - 1, dtype=torch.bool))
+            row.append(torch.zeros(1))  # the piece's last token predicts the next piece's first
+            keep.append(torch.zeros(1, dtype=torch.bool))
+        losses.append(torch.cat(row)[:-1])  # the window's last token is a label only
+        counted.append(torch.cat(keep)[:-1])
+    return torch.stack(losses), torch.stack(counted)
+
+
+def test_stream_positions_restart_after_every_eos_and_eos_predicts_nothing(stream):
+    windows, data = stream
+    inputs, labels, positions = data.global_batch(0)
+    assert torch.equal(inputs, windows[:, :-1])
+    for w, lab, pos in zip(windows.tolist(), labels.tolist(), positions.tolist()):
+        want_pos, want_lab, p = [], [], 0
+        for i in range(len(w) - 1):
+            want_pos.append(p)
+            want_lab.append(IGNORE if w[i] == EOS else w[i + 1])
+            p = 0 if w[i] == EOS else p + 1
+        assert pos == want_pos and lab == want_lab
+    assert all(len(mb) == 3 for mb in data.batch(0)), "each micro-batch carries its positions"
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_stream_with_document_masking_equals_each_document_alone(stream, which):
+    """The training step on masked windows: loss and gradients of each document run alone,
+    unpacked, through the plain model. Fails with the mask or the position reset removed
+    (GPT-2's learned positions), and with the EOS label kept (the count differs)."""
+    windows, data = stream
+    model = native_llama() if which == "llama" else native_gpt2()
+    reference = copy.deepcopy(model)
+    loss, grads = packed_step(model, data)
+    losses, counted = documents_alone_token_losses(reference, windows)
+    assert_same(loss, grads, losses.sum() / counted.sum(), reference)
+
+
+def test_stream_document_masking_is_off_by_default_for_pretraining_and_on_for_sft():
+    from meshtrain.training.config_loader import config_to_toml, load_config
+
+    masking = lambda *flags: load_config("debug_2d", list(flags)).training.document_masking  # noqa: E731
+    assert masking() is False and masking("--training.dataset=text") is False
+    assert masking("--training.dataset=sft") is True
+    assert masking("--training.dataset=sft", "--training.document_masking=false") is False
+    assert masking("--training.document_masking=true") is True
+    cfg = load_config("debug_2d", ["--training.dataset=sft"])  # a saved config reads back the same
+    assert "document_masking = true" in config_to_toml(cfg)
+
+
 # ---------------------------------------------------------------- every layout, one torchrun job
 
 BASE = ["--training.dataset=sft", "--training.document_masking=true", "--training.steps=1",
@@ -247,6 +352,8 @@ LAYOUTS = {  # name -> (model flags, layout flags); 4 processes each
     "hf_dp2_tp2": ("qwen2", ["--parallelism.dp_shard=2", "--parallelism.tp=2"]),
     "hf_pp2_dp2": ("qwen2", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=1",
                              "--parallelism.pp_schedule=GPipe"]),
+    # A pretraining stream of short documents, cut at each EOS, across the cp split of the sequence.
+    "text_cp2_tp2": ("llama", ["--parallelism.cp=2", "--parallelism.dp_shard=1", "--parallelism.tp=2"]),
 }
 
 
@@ -254,8 +361,9 @@ def layout_argv(root, name: str) -> list[str]:
     model, flags = LAYOUTS[name]
     config = (["--config", "debug_2d"] if model == "llama" else
               ["--config", "hf_debug", f"--model.hf_config={root / 'qwen2'}"])
-    data = root / "records.jsonl"
-    return [*config, *BASE, f"--training.dataset_path={data}", f"--validation.dataset_path={data}", *flags,
+    data = root / ("docs.jsonl" if name.startswith("text") else "records.jsonl")
+    kind = ["--training.dataset=text", "--validation.dataset=text"] if name.startswith("text") else []
+    return [*config, *BASE, *kind, f"--training.dataset_path={data}", f"--validation.dataset_path={data}", *flags,
             f"--job.output_dir={root / 'out'}", f"--job.name={name}"]
 
 
@@ -268,6 +376,7 @@ def layout_runs(tmp_path_factory):
     write_config(root / "qwen2", "qwen2")
     rows = records(120, seed=11)
     write_jsonl(root / "records.jsonl", rows)
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in short_documents(300, seed=2)))
     (root / "runs.json").write_text(json.dumps({name: layout_argv(root, name) for name in LAYOUTS}))
     proc = torchrun("tests/workers/document_masking_runs.py", str(root), str(root / "runs.json"), nproc=4,
                     timeout=900)
@@ -293,8 +402,13 @@ def one_process_reference(root, rows, name: str):
     else:
         plain = plain_transformers_model(shape, config.training.seed)
         forward = lambda t: plain(input_ids=t).logits  # noqa: E731
-    data, _ = build_dataloader(config.training, dp_rank=0, dp_size=1)
-    losses, counted = alone_token_losses(forward, data.global_sequences(0)[0], rows)
+    if name.startswith("text"):  # the same windows without masking: today's stream, cut by the reference
+        config.training.document_masking = False
+        inputs, labels = build_dataloader(config.training, dp_rank=0, dp_size=1)[0].global_batch(0)
+        losses, counted = documents_alone_token_losses(forward, torch.cat([inputs, labels[:, -1:]], dim=1))
+    else:
+        data, _ = build_dataloader(config.training, dp_rank=0, dp_size=1)
+        losses, counted = alone_token_losses(forward, data.global_sequences(0)[0], rows)
     loss = losses.sum() / counted.sum()
     loss.backward()
     return loss.item(), {n: p.grad for n, p in plain.named_parameters()}, losses.detach(), counted

@@ -146,6 +146,24 @@ def test_the_fake_trace_counts_what_the_same_step_on_real_tensors_allocates():
     assert fake["memory"]["activations"] == pytest.approx(real["memory"]["activations"], rel=0.01)
 
 
+def test_with_document_masking_the_dry_run_counts_the_mask_as_the_real_step_allocates():
+    """[training] document_masking: the model builds a [b, 1, s, s] mask from whole-sequence
+    positions and SDPA's masked path keeps s x s terms the causal kernel does not. The
+    dry run passes positions as training/step.py does, so it counts them: equal to the
+    same step on real tensors, and above the unmasked step by more than the mask itself.
+    Fails with planning/traced_step.py's packed_inputs returning {} (the masked trace is
+    then the unmasked one)."""
+    over = ["--model.vocab_size=8192", "--training.seq_len=512", "--training.document_masking=true"]
+    fake = dry_run(load_config("debug_2d", over), 4, quiet=True)
+    real = dry_run(load_config("debug_2d", over), 4, fake=False, quiet=True)
+    causal = dry_run(load_config("debug_2d", over[:-1]), 4, quiet=True)
+    assert fake["memory"]["activations"] == pytest.approx(real["memory"]["activations"], rel=0.01)
+    local = 8 // 2  # global batch 8 over dp 2
+    assert fake["memory"]["activations"] > causal["memory"]["activations"] + local * 512 * 512
+    piped = dry_run(load_config("debug_2d", [*over, "--parallelism.pp=2", "--parallelism.tp=1"]), 4, quiet=True)
+    assert piped["memory"]["activations"] > 0  # every stage is handed the positions, as the schedule does
+
+
 @pytest.mark.slow
 def test_gpt2_175b_full_ac_holds_the_block_inputs_korthikanti_counts():
     # Korthikanti et al. 2022, full recomputation: each block keeps only its input, 2sbh

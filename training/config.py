@@ -108,10 +108,10 @@ class TrainingSection:
                              "tokenizer's folder, rendered by transformers), plain (meshtrain's, "
                              "docs/finetuning.md) or auto (the tokenizer's when it has one, else plain)",
                              choices=("auto", "tokenizer", "plain"))
-    document_masking: bool = opt(True, "sft: each packed record attends only to itself, its positions "
-                                 "counted from 0 (as if alone in its sequence); false: records see the ones "
-                                 "packed before them, positions run on. Ignored by stdlib/text/tokens, whose "
-                                 "windows of one stream are trained causally as they are (see docs/finetuning.md)")
+    document_masking: bool = opt(False, "each packed document attends only to itself, its positions counted "
+                                 "from 0 (as if alone in its sequence): sft records, or the EOS-separated "
+                                 "documents of stdlib/text/tokens windows. Default: true for sft, false for "
+                                 "the others (one causal stream, as before); see docs/finetuning.md")
     tokenizer: str = opt("byte", "byte, or the path of a Hugging Face tokenizer.json")
     mixed_precision_param: str = opt("float32", "dtype of parameters in forward/backward", choices=DTYPES)
     mixed_precision_reduce: str = opt("float32", "dtype of the gradient reduction", choices=DTYPES)

@@ -349,6 +349,15 @@ def _settings_from_cli(tokens: list[str]):
         yield section, key, value
 
 
+def _dataset_defaults(values: dict) -> None:
+    """The defaults that follow the dataset, resolved here so a saved config (which
+    states every key) reads back the same: document_masking is on for "sft" (packed
+    records must not see each other) and off for the pretraining streams."""
+    training = values.setdefault("training", {})
+    dataset = training.get("dataset", SECTIONS["training"].dataset)
+    training.setdefault("document_masking", dataset == "sft")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JobConfig:
     """Defaults, then the file (and what it extends), then the command-line overrides
     (argv-style tokens), checked as a whole."""
@@ -374,6 +383,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Jo
     for section, key, raw in _settings_from_cli(list(overrides)):
         put(section, key, raw, CLI)
 
+    _dataset_defaults(values)
     cfg = JobConfig(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
     validate(cfg, sources)
     return cfg

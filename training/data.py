@@ -281,5 +281,6 @@ def build_dataloader(cfg_training, *, dp_rank: int, dp_size: int, held_out: floa
     if (start, stop) != (0, len(tokens)):
         tokens = tokens[start:stop]  # a view of the cached stream: nothing is copied
     loader = DataLoader(tokens, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
-                        local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
+                        local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
+                        eos_id=tokenizer.eos_id if getattr(cfg, "document_masking", False) else None)
     return loader, tokenizer

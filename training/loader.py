@@ -12,6 +12,28 @@ from __future__ import annotations
 import torch
 
 from meshtrain.training.config import ConfigError
+from meshtrain.training.sft import IGNORE_INDEX
+
+
+def split_documents(inputs: torch.Tensor, labels: torch.Tensor, eos_id: int):
+    """(inputs, labels, positions) of windows of a stream of documents joined by EOS, each
+    document on its own ([training] document_masking for stdlib/text/tokens).
+
+    A document starts after each EOS (the EOS ends the one before it, so predicting it
+    is still trained) and at the window's first token (a document cut by the window
+    start keeps its tail, counted from 0 as if it began there). Positions restart at 0
+    at each start; the models turn them into a block-causal mask (models/documents.py).
+    The label of an EOS input -- the next document's first token -- cannot be predicted
+    from the document the mask confines it to, and no document run alone has it, so it
+    is IGNORE_INDEX: the loss is then the mean over what is left (training/step.py)."""
+    s = inputs.shape[-1]
+    index = torch.arange(s).expand_as(inputs)
+    starts = torch.zeros_like(inputs, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    last_start = torch.where(starts, index, 0).cummax(dim=-1).values
+    labels = labels.masked_fill(inputs == eos_id, IGNORE_INDEX)
+    return inputs, labels, index - last_start
 
 
 class DataLoader:
@@ -22,10 +44,12 @@ class DataLoader:
     Rank r of D takes the r-th contiguous G/D of it, cut into ``grad_accum_steps``
     micro-batches of ``local_batch_size``. Ranks with the same dp_rank (a TP or PP
     group) get identical batches without talking to each other.
+    ``eos_id``: the documents in each window are kept apart (`split_documents`), and a
+    micro-batch is (inputs, labels, positions); None: one causal stream, as it is.
     """
 
     def __init__(self, tokens: torch.Tensor, *, seq_len: int, global_batch_size: int,
-                 local_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+                 local_batch_size: int, dp_rank: int, dp_size: int, seed: int, eos_id: int | None = None):
         per_step = dp_size * local_batch_size
         if local_batch_size < 1 or global_batch_size % per_step:
             raise ValueError(
@@ -36,7 +60,7 @@ class DataLoader:
         self.tokens = self._as_tokens(tokens)
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.local_batch_size, self.dp_rank, self.dp_size = local_batch_size, dp_rank, dp_size
-        self.seed = seed
+        self.seed, self.eos_id = seed, eos_id
         self.num_windows = self._count_windows()
         if self.num_windows < global_batch_size:
             raise ConfigError(f"corpus too small: {self._size_words()}, fewer than one global batch of "
@@ -81,11 +105,15 @@ class DataLoader:
         w = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
         return w[:, :-1], w[:, 1:]  # the label of each token is the next token of its window
 
+    def _columns(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        columns = self._windows(ids)
+        return columns if self.eos_id is None else split_documents(*columns, self.eos_id)
+
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole global batch of ``step``, [G, seq_len] each (for reference runs)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        return self._windows(self._window_ids(step * self.global_batch_size, self.global_batch_size))
+        return self._columns(self._window_ids(step * self.global_batch_size, self.global_batch_size))
 
     def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of ``step``: (inputs, labels), int64 [local_batch_size, seq_len]
@@ -94,7 +122,7 @@ class DataLoader:
             raise ValueError(f"step must be >= 0, got {step}")
         per_rank = self.global_batch_size // self.dp_size
         ids = self._window_ids(step * self.global_batch_size + self.dp_rank * per_rank, per_rank)
-        columns = self._windows(ids)  # inputs, labels (and positions: packed documents)
+        columns = self._columns(ids)  # inputs, labels (and positions: packed documents)
         self.position = step + 1
         return list(zip(*(c.split(self.local_batch_size) for c in columns)))
 

@@ -2,8 +2,9 @@
 
 The loss is the mean cross-entropy over the counted tokens of the whole global batch:
 every label except IGNORE_INDEX (-100, the prompt and padding of a fine-tuning
-sequence; pretraining has none, so there every token counts). One number, whatever the
-layout, the micro-batching or the gradient accumulation:
+sequence, and the EOS of a pretraining window with document masking; otherwise every
+token counts). One number, whatever the layout, the micro-batching or the gradient
+accumulation:
 
     loss = sum of per-token losses over the global batch / tokens counted in it
 

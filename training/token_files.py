@@ -226,7 +226,8 @@ def build_token_loader(cfg, tokenizer, *, local: int, dp_rank: int, dp_size: int
     if span is not None:
         files.first, files.num_tokens = span(files.num_tokens)
     return TokenFileLoader(files, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
-                           local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
+                           local_batch_size=local, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
+                           eos_id=files.eos_id if getattr(cfg, "document_masking", False) else None)
 
 
 def check_tokenizer(index_path: Path, prepared: str, prepared_id: str, spec: str) -> None:
