@@ -15,7 +15,7 @@ from meshtrain.parallel.context_parallel import kv_repeats
 from tests import oracle, train_oracle
 from tests.conftest import dry_run_refusal, torchrun
 
-TRAIN = ["--training.steps=6", "--training.seq_len=64", "--training.global_batch_size=8",
+TRAIN = ["--training.steps=4", "--training.seq_len=64", "--training.global_batch_size=8",
          "--training.max_norm=0.1", "--optimizer.lr=3e-3"]
 # name -> (config, processes, layout flags). The debug Llama has 8 heads and 4 kv heads.
 LAYOUTS = {

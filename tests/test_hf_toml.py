@@ -43,7 +43,7 @@ ONLY = {"gpt2": ["fsdp4"], "qwen3": ["dp2_tp2"], "granite": ["dp2_tp2"], "llama"
         "gpt_neox": list(LAYOUTS)}
 RUNS = [(arch, layout) for arch in ARCHS for layout in ONLY.get(arch, ["fsdp4", "dp2_tp2", "pp2_dp2"])]
 # The debug config's stdlib bytes, short runs; clipping at 0.1 binds every step.
-TRAIN = ["--training.steps=6", "--training.seq_len=32", "--training.global_batch_size=8",
+TRAIN = ["--training.steps=4", "--training.seq_len=32", "--training.global_batch_size=8",
          "--training.max_norm=0.1", "--optimizer.lr=3e-3"]
 
 

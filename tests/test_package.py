@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain import cli
-from meshtrain.training.launch import first_error, split_for_torchrun
+from meshtrain.training.launch import failed_exit_code, first_error, split_for_torchrun
 from tests.conftest import ROOT
 
 ONE_STEP = ("--config", "debug_2d", "--parallelism.tp=1", "--parallelism.dp_shard=1", "--training.steps=1",
@@ -93,6 +93,12 @@ def test_the_first_ranks_message_is_said_once():
     assert first_error(killed) == "meshtrain: error: rank 3 was killed by SIGKILL"
     bug = ChildFailedError("meshtrain.train", {1: failure(1, 1, "To enable traceback see ...", 4)})
     assert "rank 1 exited with code 1 (its traceback is above)" in first_error(bug)
+    assert failed_exit_code(err) == 2 and failed_exit_code(killed) == 1 and failed_exit_code(bug) == 1
+    # Rank 0 left our message and was then SIGTERMed by torchrun because rank 1 exited 2
+    # first, in the same second: rank 0's message is said, rank 1's code returned (seen
+    # under load: the launcher exited 1 for a refused dataset folder).
+    raced = ChildFailedError("meshtrain.train", {0: failure(0, -15, mine, 5), 1: failure(1, 2, mine, 5)})
+    assert first_error(raced) == mine and failed_exit_code(raced) == 2
 
 
 @pytest.mark.slow

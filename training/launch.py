@@ -83,8 +83,7 @@ def launch(launcher: list[str], argv: list[str], module: str = TRAINER, check=No
         return 0
     except ChildFailedError as err:
         print(first_error(err), file=sys.stderr, flush=True)
-        rank, failure = first_failure(err)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        return failed_exit_code(err)
     except SignalException as stop:  # SIGTERM/SIGINT here: torchrun passed it on to every rank
         print(f"meshtrain: stopped by {stop.sigval.name}", file=sys.stderr, flush=True)
         return 128 + stop.sigval
@@ -96,6 +95,16 @@ def first_failure(err):
     ranked = sorted(err.failures.items(),
                     key=lambda kv: (kv[1].timestamp, not kv[1].message.startswith("meshtrain:"), kv[0]))
     return ranked[0]
+
+
+def failed_exit_code(err) -> int:
+    """The exit code for the message `first_error` says. Every rank may find the same bad
+    input and leave the same message; the first to exit makes torchrun SIGTERM the rest,
+    and one of those may be the rank reported (same second, lower rank) with -15 for a
+    code. The code is then that of a rank with the same message that did exit."""
+    _, failure = first_failure(err)
+    same = [f.exitcode for f in err.failures.values() if f.message == failure.message and f.exitcode > 0]
+    return failure.exitcode if failure.exitcode > 0 else (same[0] if same else 1)
 
 
 def first_error(err) -> str:
