@@ -126,7 +126,10 @@ def describe_collective_failure(err: BaseException, timeout: float) -> str:
     watch = hang_report.current()
     if watch is None:
         return line
-    summary = watch.report(err)
+    try:
+        summary = watch.report(err)
+    except OSError as why:  # a full or read-only disk must not hide the failure itself
+        return f"{line}\n(the hang report could not be written: {why})"
     return f"{line}\n{summary.rstrip()}\n(written to {watch.folder}/summary.txt)"
 
 
