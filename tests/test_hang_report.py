@@ -82,11 +82,13 @@ def test_the_summary_names_the_rank_the_others_wait_for_not_those_waiting_behind
     assert "rank 3: step 3, forward/backward, micro-batch 0; waits for rank 1 (dp_shard)" in summary
 
 
-def test_a_rank_without_a_record_is_named_behind():
-    records = dp2_tp2({0: (11, 6), 1: (11, 6), 2: (11, 6)})
+def test_a_rank_without_a_record_is_named_behind_and_those_waiting_for_it_are_not():
+    # Rank 1 died: rank 3 waits for it in their dp group and rank 2 for rank 3 in theirs.
+    records = dp2_tp2({0: (11, 6), 2: (11, 6), 3: (10, 6)})
     summary = hang_report.summarize(records, 4)
-    assert behind(summary) == "behind: rank 3", summary
-    assert "rank 3: no record" in summary
+    assert behind(summary) == "behind: rank 1", summary
+    assert "rank 1: no record" in summary
+    assert "rank 3: step 3, forward/backward, micro-batch 0; waits for rank 1 (dp_shard)" in summary
 
 
 def test_ranks_waiting_for_each_other_in_a_cycle_are_called_so():

@@ -201,7 +201,8 @@ def describe_where(record: dict) -> str:
 
 def waits(records: dict[int, dict]) -> tuple[dict[int, dict[int, str]], dict[int, list[str]]]:
     """(rank -> {rank it waits for: in which group}, rank -> how it is behind, per group).
-    A waits for B when, in a group both belong to, A issued more collectives than B."""
+    A waits for B when, in a group both belong to, A issued more collectives than B, or
+    B left no record (it died: whatever A is doing with the group, it waits for B)."""
     groups: dict[str, tuple[dict, dict[int, int]]] = {}
     for rank, record in records.items():
         for name, group in record["groups"].items():
@@ -210,6 +211,8 @@ def waits(records: dict[int, dict]) -> tuple[dict[int, dict[int, str]], dict[int
     waits_for: dict[int, dict[int, str]] = {rank: {} for rank in records}
     lags: dict[int, list[str]] = {}
     for name, (group, issued) in sorted(groups.items()):
+        for rank in issued:
+            waits_for[rank].update({r: group["desc"] for r in group["ranks"] if r not in records})
         most = max(issued.values())
         for rank, count in issued.items():
             for other, other_count in issued.items():
@@ -226,7 +229,7 @@ def summarize(records: dict[int, dict], world_size: int) -> str:
     waits_for, lags = waits(records)
     missing = [r for r in range(world_size) if r not in records]
     waited_on = {other for targets in waits_for.values() for other in targets}
-    behind = sorted(r for r in records if r in waited_on and not waits_for[r])
+    behind = sorted(r for r in records if r in waited_on and not waits_for[r])  # waited for, waiting for none
     lines = [f"hang report: {len(records)} of {world_size} ranks wrote a record (hang/rank*.txt: stacks)"]
     if behind or missing:
         names = ", ".join(f"rank {r}" for r in sorted(behind + missing))
