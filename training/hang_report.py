@@ -94,8 +94,12 @@ class HangWatch:
                 if self.wrote:  # it was slow, not stuck
                     self.remove()
             elif not self.wrote and time.monotonic() - quiet_since >= self.timeout:
-                self.write(f"no progress (no phase entered or left, no collective issued) for "
-                           f"{time.monotonic() - quiet_since:.0f} s; the collective timeout is {self.timeout:g} s")
+                try:
+                    self.write(f"no progress (no phase entered or left, no collective issued) for "
+                               f"{time.monotonic() - quiet_since:.0f} s; the collective timeout is {self.timeout:g} s")
+                except OSError as why:  # a full disk: say so once, and let training go on
+                    print(f"meshtrain: warning: rank {self.rank}: no hang record written: {why}", file=sys.stderr)
+                    return
 
     def start(self) -> HangWatch:
         self._thread.start()
