@@ -34,7 +34,7 @@ def test_a_rank_making_no_progress_writes_where_it_is_and_its_stacks_then_remove
     watch = hang_report.HangWatch(tmp_path, gloo_mesh, timeout=1.0).start()  # looks every 0.1 s
     try:
         with step_phase(7, "forward/backward"):
-            step_phase.micro_batch = 2
+            hang_report.where.micro_batch = 2
             stuck_in_a_long_computation(2.0)
             text = (tmp_path / "hang" / "rank0.txt").read_text()
             record = json.loads((tmp_path / "hang" / "rank0.json").read_text())

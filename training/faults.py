@@ -23,6 +23,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshtrain.training import hang_report
+from meshtrain.training.hang_report import where
+
 
 class CollectiveFailure(RuntimeError):
     """A collective timed out or lost its peers; the message says where in the step."""
@@ -60,8 +63,6 @@ class GracefulStop:
 def set_collective_timeout(seconds: float) -> None:
     """Apply ``seconds`` to every process group this rank is in (the mesh's too), and to
     the hang watch's "no progress" (training/hang_report.py) if one runs."""
-    from meshtrain.training import hang_report
-
     for group in list(dist.distributed_c10d._world.pg_map):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
     if hang_report.current() is not None:
@@ -72,32 +73,23 @@ class step_phase:
     """Where this rank is, for error messages: ``with step_phase(3, "optimizer step"): ...``.
     ``watcher``: set by training/profiling.py inside a profiled window, told each phase's
     start and end (``enter(what)`` / ``exit(what)``); None otherwise, costing nothing.
-    The class attributes are the hang report's account of this rank (training/hang_report.py):
-    the last phase entered (``step``, ``what``, ``inside`` until it is left), the micro-batch
-    the step is at (set by training/step.py) and ``moves``, counting entries and exits, which
-    its watchdog reads as progress. Setting them costs a few attribute stores per phase."""
+    Each phase entered and left is also told to the hang report's account of this rank
+    (`hang_report.where`: a few attribute stores)."""
 
     current = "start-up"
     watcher = None
-    step: int | None = None
-    what = "start-up"
-    inside = False
-    micro_batch: int | None = None
-    moves = 0
 
     def __init__(self, step: int, what: str):
         self.step, self.label, self.what = step, f"step {step}, {what}", what
 
     def __enter__(self):
         step_phase.current = self.label
-        step_phase.step, step_phase.what, step_phase.inside, step_phase.micro_batch = self.step, self.what, True, None
-        step_phase.moves += 1
+        where.entered(self.step, self.what)
         if step_phase.watcher is not None:
             step_phase.watcher.enter(self.what)
 
     def __exit__(self, kind, err, tb):
-        step_phase.inside = False
-        step_phase.moves += 1
+        where.left()
         if step_phase.watcher is not None:
             step_phase.watcher.exit(self.what)
         return False
@@ -117,8 +109,6 @@ def is_collective_failure(err: BaseException) -> bool:
 def describe_collective_failure(err: BaseException, timeout: float) -> str:
     """The one-line error, and the hang report's summary below it when a hang watch runs
     (it writes this rank's record and the summary into the run folder's hang/ first)."""
-    from meshtrain.training import hang_report
-
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
     line = (f"rank {dist.get_rank() if dist.is_initialized() else 0}: a collective failed during "
             f"{step_phase.current}: another rank died or stalled (train_timeout_seconds = {timeout:g}). "

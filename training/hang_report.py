@@ -1,7 +1,7 @@
 """A hang that explains itself: when a collective times out, which ranks are behind, where.
 
-Every rank keeps a cheap account of where it is: the step, the phase and micro-batch
-(`faults.step_phase`, which the step already sets), its mesh coordinates (its pipeline
+Every rank keeps a cheap account of where it is (`where`): the step, the phase and
+micro-batch (told by `faults.step_phase`, which the step already sets), its mesh coordinates (its pipeline
 stage among them) and, per process group, how many collectives it has issued -- the
 sequence number every c10d backend keeps anyway (gloo's and NCCL's alike), so counting
 costs nothing. When a collective times out, the run folder's `hang/` gets:
@@ -53,11 +53,28 @@ def collectives_issued() -> dict[str, dict]:
     return groups
 
 
-def where() -> dict:
-    from meshtrain.training.faults import step_phase
+class Where:
+    """Where this rank is: the last phase entered (`faults.step_phase` tells it), whether it
+    is still inside, the micro-batch (training/step.py sets it), and ``moves``, counting
+    phases entered and left, which the watchdog reads as progress."""
 
-    return {"step": step_phase.step, "phase": step_phase.what, "inside_phase": step_phase.inside,
-            "micro_batch": step_phase.micro_batch}
+    def __init__(self):
+        self.step: int | None = None
+        self.phase, self.inside, self.micro_batch, self.moves = "start-up", False, None, 0
+
+    def entered(self, step: int, phase: str) -> None:
+        self.step, self.phase, self.inside, self.micro_batch = step, phase, True, None
+        self.moves += 1
+
+    def left(self) -> None:
+        self.inside = False
+        self.moves += 1
+
+    def record(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "inside_phase": self.inside, "micro_batch": self.micro_batch}
+
+
+where = Where()  # this process's
 
 
 class HangWatch:
@@ -78,9 +95,7 @@ class HangWatch:
         return min(max(self.timeout / 10, 0.1), 5.0)
 
     def _progress(self):
-        from meshtrain.training.faults import step_phase
-
-        return step_phase.moves, sum(g["issued"] or 0 for g in collectives_issued().values())
+        return where.moves, sum(g["issued"] or 0 for g in collectives_issued().values())
 
     def _watch(self) -> None:
         last, quiet_since = None, time.monotonic()
@@ -121,7 +136,7 @@ class HangWatch:
     def write(self, why: str, err: BaseException | None = None) -> None:
         """hang/rank{R}.json (the account) and hang/rank{R}.txt (it, the error, every thread's stack)."""
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                  "why": why, **where(), "mesh": self.mesh, "groups": collectives_issued()}
+                  "why": why, **where.record(), "mesh": self.mesh, "groups": collectives_issued()}
         self.folder.mkdir(parents=True, exist_ok=True)
         text = self.folder / f"rank{self.rank}.txt"
         with open(text, "w") as fh:
