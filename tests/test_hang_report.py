@@ -103,7 +103,9 @@ def test_the_tool_prints_the_summary_from_the_run_folder(tmp_path, capsys):
     (tmp_path / "hang").mkdir()
     for rank, rec in records.items():
         (tmp_path / "hang" / f"rank{rank}.json").write_text(json.dumps({**rec, "time": time.time()}))
-    assert hang_report.main([str(tmp_path)]) == 0
+    from meshtrain.cli import main
+
+    assert main(["hang-report", str(tmp_path)]) == 0
     assert behind(capsys.readouterr().out) == "behind: rank 1"
     assert hang_report.main([str(tmp_path / "nothing")]) == 2
     assert "no hang records in" in capsys.readouterr().err

@@ -17,8 +17,8 @@ costs nothing. When a collective times out, the run folder's `hang/` gets:
   without a record died or is stuck without letting Python run. The rank that reports the
   timeout waits briefly for the records, writes the summary and prints it.
 
-Afterwards, `python -m meshtrain.training.hang_report RUN_FOLDER` prints it again from
-the records. NCCL's flight recorder answers the same question for NCCL alone; this works
+Afterwards, `meshtrain hang-report RUN_FOLDER` (`python -m meshtrain.training.hang_report`)
+prints it again from the records. NCCL's flight recorder answers the same question for NCCL alone; this works
 for every backend, and with gloo on CPU is what the tests run.
 """
 
@@ -275,9 +275,10 @@ def summarize(records: dict[int, dict], world_size: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m meshtrain.training.hang_report RUN_FOLDER   (the hang report of a run "
-              "whose collective timed out)", file=sys.stderr)
-        return 2
+        print("usage: meshtrain hang-report RUN_FOLDER\n\nWhich ranks were behind, and where, when a "
+              "collective of the run timed out: the summary of its hang/ records.",
+              file=sys.stdout if {"-h", "--help"} & set(argv) else sys.stderr)
+        return 0 if {"-h", "--help"} & set(argv) else 2
     folder = Path(argv[0]) / FOLDER
     records = read_records(folder)
     if not records:
