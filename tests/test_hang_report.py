@@ -109,3 +109,13 @@ def test_the_tool_prints_the_summary_from_the_run_folder(tmp_path, capsys):
     assert behind(capsys.readouterr().out) == "behind: rank 1"
     assert hang_report.main([str(tmp_path / "nothing")]) == 2
     assert "no hang records in" in capsys.readouterr().err
+
+
+def test_a_phase_left_by_an_error_is_where_the_rank_was():
+    with pytest.raises(RuntimeError), step_phase(4, "token count"):
+        raise RuntimeError("Timed out waiting 5000ms")
+    assert hang_report.describe_where({**hang_report.where.record(), "mesh": {"pp": 1}}) == \
+        "step 4, token count, pipeline stage 1"
+    with step_phase(4, "optimizer step"):
+        pass
+    assert hang_report.describe_where({**hang_report.where.record(), "mesh": {}}) == "step 4, after optimizer step"

@@ -89,7 +89,8 @@ class step_phase:
             step_phase.watcher.enter(self.what)
 
     def __exit__(self, kind, err, tb):
-        where.left()
+        if kind is None:  # an error leaving the phase (a timeout) happened inside it: say so
+            where.left()
         if step_phase.watcher is not None:
             step_phase.watcher.exit(self.what)
         return False

@@ -239,7 +239,8 @@ def waits(records: dict[int, dict]) -> tuple[dict[int, dict[int, str]], dict[int
                     waits_for[rank][other] = group["desc"]
             if count < most:
                 ahead = ", ".join(f"rank {r} {c}" for r, c in sorted(issued.items()) if c > count)
-                lags.setdefault(rank, []).append(f"{group_label(name, group)}: issued {count} collectives; {ahead}")
+                lags.setdefault(rank, []).append(f"{group_label(name, group)}: rank {rank} issued {count} "
+                                                 f"collectives, {ahead}")
     return waits_for, lags
 
 
