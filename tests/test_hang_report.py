@@ -119,3 +119,18 @@ def test_a_phase_left_by_an_error_is_where_the_rank_was():
     with step_phase(4, "optimizer step"):
         pass
     assert hang_report.describe_where({**hang_report.where.record(), "mesh": {}}) == "step 4, after optimizer step"
+
+
+def test_the_pipeline_group_whose_counts_hold_sends_and_receives_is_not_compared():
+    # pp 3 x dp 2: stage s, replica d is rank 2s + d. On gloo a middle stage's sends and
+    # receives count twice an end's. Rank 4 (the last stage of replica 0) stalled: rank 5
+    # issued one more collective in their dp group.
+    records = {}
+    for rank in range(6):
+        stage, replica = divmod(rank, 2)
+        records[rank] = record(rank, 3, "pipeline forward/backward", True, {
+            f"pp{replica}": ("mesh_pp", [replica, replica + 2, replica + 4], 80 if stage == 1 else 40),
+            f"dp{stage}": ("mesh_dp_shard", [2 * stage, 2 * stage + 1], 8 if rank == 5 else 7)})
+        records[rank]["pipeline_group"] = f"pp{replica}"
+    summary = hang_report.summarize(records, 6)
+    assert behind(summary) == "behind: rank 4", summary

@@ -86,6 +86,10 @@ class HangWatch:
         self.folder = Path(run_dir) / FOLDER
         self.rank, self.world_size, self.timeout = dist.get_rank(), dist.get_world_size(), timeout
         self.mesh = dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or ()))
+        # The pipeline's group carries its sends and receives, which gloo counts with the
+        # collectives (NCCL does not): a middle stage issues twice an end's. Not compared.
+        self.pipeline_group = (dist.distributed_c10d._get_process_group_name(mesh.get_group("pp"))
+                               if "pp" in self.mesh else None)
         self.since = time.time()  # records older than this are an earlier run's
         self.wrote = False
         self._stop = threading.Event()
@@ -136,7 +140,8 @@ class HangWatch:
     def write(self, why: str, err: BaseException | None = None) -> None:
         """hang/rank{R}.json (the account) and hang/rank{R}.txt (it, the error, every thread's stack)."""
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                  "why": why, **where.record(), "mesh": self.mesh, "groups": collectives_issued()}
+                  "why": why, **where.record(), "mesh": self.mesh, "pipeline_group": self.pipeline_group,
+                  "groups": collectives_issued()}
         self.folder.mkdir(parents=True, exist_ok=True)
         text = self.folder / f"rank{self.rank}.txt"
         with open(text, "w") as fh:
@@ -221,11 +226,13 @@ def describe_where(record: dict) -> str:
 def waits(records: dict[int, dict]) -> tuple[dict[int, dict[int, str]], dict[int, list[str]]]:
     """(rank -> {rank it waits for: in which group}, rank -> how it is behind, per group).
     A waits for B when, in a group both belong to, A issued more collectives than B, or
-    B left no record (it died: whatever A is doing with the group, it waits for B)."""
+    B left no record (it died: whatever A is doing with the group, it waits for B). The
+    pipeline's group is left out (see HangWatch: its counts hold sends and receives)."""
+    pipeline = {record.get("pipeline_group") for record in records.values()}
     groups: dict[str, tuple[dict, dict[int, int]]] = {}
     for rank, record in records.items():
         for name, group in record["groups"].items():
-            if group["issued"] is not None:
+            if group["issued"] is not None and name not in pipeline:
                 groups.setdefault(name, (group, {}))[1][rank] = group["issued"]
     waits_for: dict[int, dict[int, str]] = {rank: {} for rank in records}
     lags: dict[int, list[str]] = {}
