@@ -1,10 +1,10 @@
 """A hang that explains itself: when a collective times out, which ranks are behind, where.
 
 Every rank keeps a cheap account of where it is (`where`): the step, the phase and
-micro-batch (told by `faults.step_phase`, which the step already sets), its mesh coordinates (its pipeline
-stage among them) and, per process group, how many collectives it has issued -- the
-sequence number every c10d backend keeps anyway (gloo's and NCCL's alike), so counting
-costs nothing. When a collective times out, the run folder's `hang/` gets:
+micro-batch (told by `faults.step_phase`, which the step already sets), its mesh
+coordinates (its pipeline stage among them) and, per process group, how many collectives
+it has issued -- the sequence number gloo and NCCL keep anyway, so counting costs nothing.
+When a collective times out, the run folder's `hang/` gets:
 
 - `rank{R}.txt` and `rank{R}.json` from every rank: that account, and the Python stacks of
   all its threads (faulthandler). A rank that sees the timeout writes them as the error
@@ -18,8 +18,8 @@ costs nothing. When a collective times out, the run folder's `hang/` gets:
   timeout waits briefly for the records, writes the summary and prints it.
 
 Afterwards, `meshtrain hang-report RUN_FOLDER` (`python -m meshtrain.training.hang_report`)
-prints it again from the records. NCCL's flight recorder answers the same question for NCCL alone; this works
-for every backend, and with gloo on CPU is what the tests run.
+prints it again from the records. NCCL's flight recorder answers the same question for
+NCCL alone; this works for every backend that counts (gloo, NCCL), and the tests run gloo.
 """
 
 from __future__ import annotations
