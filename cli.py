@@ -9,6 +9,7 @@
     meshtrain prepare-data corpus/ --out tokens/
     meshtrain export outputs/debug_2d/checkpoint/step-00000020 hf_out --format hf
     meshtrain evaluate outputs/debug_2d/checkpoint --config debug_2d --validation.split 0.05 --nproc-per-node 4
+    meshtrain hang-report outputs/debug_2d                    # after a collective timed out: who is behind
 
 `--config NAME` finds NAME.toml in ./configs or among the configs meshtrain ships. Each
 subcommand's `--help` lists its own options. The `python -m meshtrain.planning.plan`-style
@@ -30,6 +31,7 @@ COMMANDS = {
     "prepare-data": "tokenize a corpus once into memory-mapped shards (dataset = \"tokens\")",
     "export": "a DCP checkpoint to a Hugging Face folder or one torch file",
     "evaluate": "the validation loss of a saved checkpoint, under any layout (the test loop)",
+    "hang-report": "after a collective timed out: which ranks were behind, and where (the run folder's hang/)",
 }
 
 
@@ -80,6 +82,10 @@ def run_command(name: str, argv: list[str]) -> int:
         return main(argv)
     if name == "evaluate":
         return evaluate(argv)
+    if name == "hang-report":
+        from meshtrain.training.hang_report import main
+
+        return main(argv)
     from meshtrain.training.export import main
 
     return main(argv)

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from meshtrain.parallel import mesh_coordinate, shutdown_distributed
-    from meshtrain.training import recipe
+    from meshtrain.training import hang_report, recipe
     from meshtrain.training.console import announce, say_done, say_nothing_to_do, say_stopped
     from meshtrain.training.data import build_dataloader, build_tokenizer
     from meshtrain.training.evaluate import build_validation
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     announce(n_params, layout, layout.grad_accum(t.global_batch_size), mesh, start_step, run_dir)
 
     stop, skipped, stopping, began = GracefulStop(), 0, None, time.perf_counter()
+    hang = hang_report.watch(run_dir, mesh, cfg.comm.init_timeout_seconds)  # a stall explains itself in hang/
     try:
         for n in range(start_step + 1, t.steps + 1):
             with profiler.step(n):  # a no-op outside [profiling]'s window
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     finally:
         stop.restore()  # the start-up handler again (run() installed it)
+        hang.stop()
         startup_signals.training_over()
         profiler.close(n)
     if checkpoint is not None:

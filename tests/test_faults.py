@@ -68,7 +68,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_then_resumes(o
     assert torch.equal(losses(out, "preempted"), uninterrupted)
 
 
-def test_a_stalled_rank_fails_the_others_within_the_timeout_naming_the_step(out):
+def test_a_stalled_rank_fails_the_others_within_the_timeout_and_the_hang_report_names_it(out):
     began = time.monotonic()
     proc = torchrun("tests/workers/faults.py", "stall", "1", "3", "600",
                     *args(out, "stalled", *DP2_TP2, "--comm.train_timeout_seconds=5"), nproc=4, timeout=500)
@@ -79,6 +79,22 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout_naming_the_step(out)
     # Start-up, two steps, the 5 s timeout, then torchrun's grace period before it
     # SIGKILLs the sleeper (which takes SIGTERM as a request to stop after its step).
     assert took < 150, f"took {took:.0f} s for a 5 s timeout (the stall was 600 s)"
+
+    # The hang report: a record from every rank, the stalled one's too (it saw no error:
+    # its watchdog wrote it), and a summary naming exactly the rank that stalled.
+    hang = out / "stalled" / "hang"
+    assert sorted(p.name for p in hang.glob("rank*.txt")) == [f"rank{r}.txt" for r in range(4)], proc.stderr[-3000:]
+    summary = (hang / "summary.txt").read_text()
+    assert "\nbehind: rank 1\n" in summary, summary
+    assert "behind: rank 1\n" in proc.stderr  # printed by the ranks that report the timeout
+    stalled = (hang / "rank1.txt").read_text()
+    assert "at step 2, after checkpoint save" in stalled, stalled  # it never began step 3
+    assert "in before" in stalled and "faults.py" in stalled, stalled  # its stack: the worker's sleep
+    # Afterwards, the same answer from the records alone.
+    tool = subprocess.run([sys.executable, "-m", "meshtrain.training.hang_report", str(out / "stalled")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "", "PYTHONPATH": str(ROOT)})
+    assert tool.returncode == 0 and "\nbehind: rank 1\n" in tool.stdout, tool.stdout + tool.stderr
 
 
 def _one_process(*argv):

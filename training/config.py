@@ -266,7 +266,8 @@ class CommSection:
                                       "(start-up, compilation, shape inference)", gt=0,
                                       max=365 * 86400)  # a year; inf or ~1e14 overflow timedelta
     train_timeout_seconds: float = opt(300.0, "collective timeout after the first step: a rank "
-                                       "that dies or stalls fails the others this fast", gt=0,
+                                       "that dies or stalls fails the others this fast, and the run "
+                                       "folder's hang/ says which rank is behind", gt=0,
                                        max=365 * 86400, aliases=("timeout",))
 
 

@@ -10,7 +10,8 @@
 - `skip_or_stop`: a step with an inf/NaN loss or gradient norm was not applied; skip it, or
   checkpoint the last good state and stop (`[training] nonfinite`).
 - `step_phase` / `CollectiveFailure`: which part of which step a rank was in when a
-  collective failed, so the error names it instead of printing a gloo/NCCL stack.
+  collective failed, so the error names it instead of printing a gloo/NCCL stack; with
+  the hang report (training/hang_report.py), which ranks are behind and where.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from meshtrain.training import hang_report
+from meshtrain.training.hang_report import where
 
 
 class CollectiveFailure(RuntimeError):
@@ -57,28 +61,36 @@ class GracefulStop:
 
 
 def set_collective_timeout(seconds: float) -> None:
-    """Apply ``seconds`` to every process group this rank is in (the mesh's too)."""
+    """Apply ``seconds`` to every process group this rank is in (the mesh's too), and to
+    the hang watch's "no progress" (training/hang_report.py) if one runs."""
     for group in list(dist.distributed_c10d._world.pg_map):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    if hang_report.current() is not None:
+        hang_report.current().timeout = seconds
 
 
 class step_phase:
     """Where this rank is, for error messages: ``with step_phase(3, "optimizer step"): ...``.
     ``watcher``: set by training/profiling.py inside a profiled window, told each phase's
-    start and end (``enter(what)`` / ``exit(what)``); None otherwise, costing nothing."""
+    start and end (``enter(what)`` / ``exit(what)``); None otherwise, costing nothing.
+    Each phase entered and left is also told to the hang report's account of this rank
+    (`hang_report.where`: a few attribute stores)."""
 
     current = "start-up"
     watcher = None
 
     def __init__(self, step: int, what: str):
-        self.label, self.what = f"step {step}, {what}", what
+        self.step, self.label, self.what = step, f"step {step}, {what}", what
 
     def __enter__(self):
         step_phase.current = self.label
+        where.entered(self.step, self.what)
         if step_phase.watcher is not None:
             step_phase.watcher.enter(self.what)
 
     def __exit__(self, kind, err, tb):
+        if kind is None:  # an error leaving the phase (a timeout) happened inside it: say so
+            where.left()
         if step_phase.watcher is not None:
             step_phase.watcher.exit(self.what)
         return False
@@ -96,10 +108,20 @@ def is_collective_failure(err: BaseException) -> bool:
 
 
 def describe_collective_failure(err: BaseException, timeout: float) -> str:
+    """The one-line error, and the hang report's summary below it when a hang watch runs
+    (it writes this rank's record and the summary into the run folder's hang/ first)."""
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-    return (f"rank {dist.get_rank() if dist.is_initialized() else 0}: a collective failed during "
+    line = (f"rank {dist.get_rank() if dist.is_initialized() else 0}: a collective failed during "
             f"{step_phase.current}: another rank died or stalled (train_timeout_seconds = {timeout:g}). "
             f"The newest complete checkpoint is intact; rerun the same command to resume. ({first})")
+    watch = hang_report.current()
+    if watch is None:
+        return line
+    try:
+        summary = watch.report(err)
+    except OSError as why:  # a full or read-only disk must not hide the failure itself
+        return f"{line}\n(the hang report could not be written: {why})"
+    return f"{line}\n{summary.rstrip()}\n(written to {watch.folder}/summary.txt)"
 
 
 def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, checkpoint, data, t) -> int:

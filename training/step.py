@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from meshtrain.parallel import clip_grad_norm_, loss_parallel_context
 from meshtrain.parallel.context_parallel import SequenceSplit, split_sequence
 from meshtrain.training.faults import step_phase
+from meshtrain.training.hang_report import where
 
 
 IGNORE_INDEX = -100  # a label not trained on (F.cross_entropy's default, and transformers')
@@ -140,7 +141,8 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
     with step_phase(step, "token count"):
         scale = token_loss_scale([labels for _, labels, _ in batches], dp_mesh, cp_mesh)
     with step_phase(step, "forward/backward"):
-        for inputs, labels, kwargs in batches:
+        for i, (inputs, labels, kwargs) in enumerate(batches):
+            where.micro_batch = i  # for the hang report
             with loss_parallel_context(loss_parallel):
                 loss = summed_cross_entropy(model(inputs, **kwargs), labels) * scale
                 loss.backward()
@@ -175,7 +177,8 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
             labels = [split_sequence(unpack(b)[1], split).to(device) for b in micro_batches]  # NCCL: on device
             loss_fn.scale = token_loss_scale(labels, dp_mesh, cp_mesh)
     with step_phase(step, "pipeline forward/backward"):
-        for inputs, labels, positions in map(unpack, micro_batches):
+        for i, (inputs, labels, positions) in enumerate(map(unpack, micro_batches)):
+            where.micro_batch = i  # for the hang report
             args = (split_sequence(inputs, split).to(device),) if first else ()
             target = split_sequence(labels, split).to(device) if last else None
             losses: list[torch.Tensor] = []  # step() empties the list it is given
