@@ -42,7 +42,7 @@ def wandb_records(path):
 
 
 def read_wandb(run_dir):
-    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")  # one run: before any resume
     history, config = {}, {}
     for record in wandb_records(path):
         kind = record.WhichOneof("record_type")
@@ -92,9 +92,10 @@ def test_every_tracker_holds_the_same_scalars_and_the_config(tmp_path, monkeypat
     monkeypatch.delenv("TRACKIO_DIR", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    result = train_in_process(*tiny_run(tmp_path, "trk", f"--training.steps={STEPS}", "--checkpoint.enable=false",
-                                        "--metrics.enable_tensorboard=true", "--metrics.log_freq=1",
-                                        "--metrics.trackers=tensorboard,wandb,mlflow,trackio"))
+    run = lambda steps: train_in_process(*tiny_run(  # noqa: E731
+        tmp_path, "trk", f"--training.steps={steps}", f"--checkpoint.interval={STEPS}",
+        "--metrics.enable_tensorboard=true", "--metrics.log_freq=1", "--metrics.trackers=tensorboard,wandb,mlflow,trackio"))
+    result = run(STEPS)
     assert result.code == 0, result.stderr[-3000:]
     run_dir = tmp_path / "trk"
     wandb_history, wandb_config = read_wandb(run_dir)
@@ -117,6 +118,18 @@ def test_every_tracker_holds_the_same_scalars_and_the_config(tmp_path, monkeypat
     assert wandb_config["training"]["seq_len"] == 16 and trackio_config["training"]["seq_len"] == 16
     assert wandb_config["metrics"]["trackers"] == ["tensorboard", "wandb", "mlflow", "trackio"]
     assert mlflow_params["training.seq_len"] == "16" and mlflow_params["job.name"] == "trk"
+
+    # Resumed from the step-3 checkpoint, the same folder goes on in the same tracker runs:
+    # one MLflow run and one trackio run holding steps 1-5, and a second W&B offline piece
+    # under the first one's run id (what `wandb sync` joins them by).
+    resumed = run(STEPS + 2)
+    assert resumed.code == 0 and f"resumed at step {STEPS}" in resumed.stdout, resumed.stdout[-2000:]
+    mlflow_history, _ = read_mlflow(run_dir)  # read_mlflow unpacks exactly one run
+    trackio_history, _ = read_trackio(run_dir)
+    assert sorted(mlflow_history) == sorted(trackio_history) == list(range(1, STEPS + 3))
+    first, second = sorted(run_dir.glob("wandb/offline-run-*"))
+    assert first.name.split("-")[-1] == second.name.split("-")[-1]  # offline-run-DATE-ID
+    assert (run_dir / "trackers.json").exists()
 
 
 def test_only_rank0_logs(tmp_path, capsys):
