@@ -357,6 +357,19 @@ def open_checkpoint(cfg: JobConfig, run: Parts, optimizer, scheduler, data, run_
     return checkpoint, start_step
 
 
+def open_hf_export(cfg: JobConfig, run: Parts, run_dir: Path):
+    """Hugging Face folders every [checkpoint] export_hf_interval steps (training/hf_export.py),
+    or None when it is 0."""
+    from meshtrain.training.hf_export import HFExport
+
+    c = cfg.checkpoint
+    if not c.export_hf_interval:
+        return None
+    (module,) = run.modules  # pp = 1: config_loader refuses export during training under a pipeline
+    return HFExport(run_dir / "hf", module=module, family=registry.get(cfg.model.name), model_config=run.model.cfg,
+                    interval=c.export_hf_interval, background=c.async_save)
+
+
 def load_hf_weights(cfg: JobConfig, run: Parts) -> None:
     """Fine-tuning: each rank reads only its own shards of each tensor from the folder."""
     hf = registry.get(cfg.model.name).hf_module()
