@@ -88,6 +88,21 @@ def test_a_full_disk_leaves_no_half_written_folder_and_stops_with_one_line(tmp_p
     assert_transformers_gives_the_logits_of(hf / "step-00000002", tmp_path / "run" / "checkpoint" / "step-00000002")
 
 
+def test_a_hugging_face_model_is_exported_as_transformers_holds_it(tmp_path):
+    """[model] name = "hf": the folder is that model's own class with the step's weights."""
+    from meshtrain.training.export import model_tensors
+
+    result = train_in_process(*tiny_run(tmp_path, "qwen", "--training.steps=2", "--checkpoint.export_hf_interval=2",
+                                        config="hf_debug"))
+    assert result.code == 0, result.stderr[-3000:]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen" / "hf" / "step-00000002").eval()
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    trained = transformers.AutoModelForCausalLM.from_config(exported.config).eval()
+    trained.load_state_dict(dict(model_tensors(tmp_path / "qwen" / "checkpoint" / "step-00000002")))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens()).logits, trained(tokens()).logits, rtol=0, atol=0)
+
+
 def test_a_family_without_a_converter_and_a_pipeline_are_refused_naming_the_key(tmp_path):
     config = tmp_path / "gpt2.toml"
     config.write_text('extends = "gpt2_debug_3d"\n[parallelism]\npp = 1\n[checkpoint]\nexport_hf_interval = 5\n')
