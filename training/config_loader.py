@@ -229,8 +229,9 @@ def _check_export_hf(cfg: JobConfig, sources) -> None:
     name = cfg.model.name
     if not registry.get(name).hf:
         raise ConfigError(f'{where}: [model] name = "{name}" has no Hugging Face converter (models/registry.py); '
-                          f"Hugging Face export is for {', '.join(f for f, fam in registry.FAMILIES.items() if fam.hf)}. "
-                          "Use export_hf_interval = 0, and meshtrain export --format torch for the checkpoints")
+                          f"the families that have one are {', '.join(f for f, fam in registry.FAMILIES.items() if fam.hf)}. "
+                          "Use export_hf_interval = 0 (meshtrain export --format torch turns a checkpoint into one "
+                          "torch file)")
     if cfg.parallelism.pp > 1:
         raise ConfigError(f"{where}: export during training gathers the whole model on rank 0, which a pipeline "
                           f"([parallelism] pp = {cfg.parallelism.pp}) spreads over its stages. Use "
