@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from datetime import timedelta
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,6 +52,11 @@ class HFExport:
         self.interval, self.background, self.rank = interval, background, dist.get_rank()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hf-export") if background and self.rank == 0 else None
         self._pending: Future | None = None
+        # Rank 0's word on its write travels on a group of its own with a long timeout: the
+        # other ranks wait there while rank 0 writes the whole model (minutes for a large one),
+        # longer than the training collectives' timeout allows. A rank 0 that dies meanwhile
+        # ends the job through torchrun, not through this timeout.
+        self._pg = dist.new_group(backend="gloo", timeout=timedelta(hours=24)) if dist.get_world_size() > 1 else None
         if self.rank == 0:  # an export a killed run left half-written is no step's folder: remove it
             for partial in self.folder.glob(".step-*.partial-*"):
                 shutil.rmtree(partial, ignore_errors=True)
@@ -102,8 +108,8 @@ class HFExport:
     def _agree(self, failure: str | None) -> None:
         """Rank 0's ``failure`` on every rank: all stop together, with its words."""
         said = [failure]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(said, src=0)
+        if self._pg is not None:
+            dist.broadcast_object_list(said, src=0, group=self._pg)
         if said[0] is not None:
             raise CheckpointError(f"[checkpoint] export_hf_interval: {said[0]}")
 
