@@ -103,6 +103,13 @@ def test_a_hugging_face_model_is_exported_as_transformers_holds_it(tmp_path):
         torch.testing.assert_close(exported(tokens()).logits, trained(tokens()).logits, rtol=0, atol=0)
 
 
+def test_a_file_where_the_folders_go_is_refused_at_start_up(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "hf").write_text("not a folder")
+    message = refused(train_in_process(*tiny_run(tmp_path, "run", "--checkpoint.export_hf_interval=2")))
+    assert f'[checkpoint] export_hf_interval: "{tmp_path / "run" / "hf"}" is a file' in message, message
+
+
 def test_a_family_without_a_converter_and_a_pipeline_are_refused_naming_the_key(tmp_path):
     config = tmp_path / "gpt2.toml"
     config.write_text('extends = "gpt2_debug_3d"\n[parallelism]\npp = 1\n[checkpoint]\nexport_hf_interval = 5\n')

@@ -179,8 +179,10 @@ def _check_inputs(cfg: JobConfig) -> None:
     """Files and folders the config names, before anything is started."""
     t, hf = cfg.training, cfg.checkpoint.initial_load_hf
     run_dir = Path(cfg.job.output_dir) / cfg.job.name
-    for path, key in ((run_dir / "tb", "[job] output_dir / name"),
-                      (run_dir / cfg.checkpoint.folder, "[checkpoint] folder")):
+    folders = [(run_dir / "tb", "[job] output_dir / name"), (run_dir / cfg.checkpoint.folder, "[checkpoint] folder")]
+    if cfg.checkpoint.export_hf_interval:
+        folders.append((run_dir / "hf", "[checkpoint] export_hf_interval"))
+    for path, key in folders:
         blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
         if blocking is not None:  # found now, not by the TensorBoard writer after the first step
             raise ConfigError(f'{key}: "{blocking}" is a file, but the run writes a folder there ({path})')
