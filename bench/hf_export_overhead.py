@@ -26,7 +26,7 @@ MODEL = ["--config", "debug_2d", "--model.flavor=1B", "--model.n_layers=1", "--t
          "--metrics.log_freq=1000"]
 
 
-def run(nproc: int, steps: int, extra: list[str], out: Path, name: str) -> tuple[float, list[float]]:
+def run(nproc: int, steps: int, extra: list[str], out: Path, name: str) -> tuple[float, list[tuple[float, float]]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            "--rdzv-endpoint=127.0.0.1:0", "train.py", *MODEL, f"--parallelism.dp_shard={nproc}",
            f"--training.steps={steps}", f"--job.output_dir={out}", f"--job.name={name}", *extra]
@@ -35,7 +35,8 @@ def run(nproc: int, steps: int, extra: list[str], out: Path, name: str) -> tuple
     if proc.returncode:
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
     loop = float(re.search(r"done: steps 1-\d+ in ([\d.]+) s", proc.stdout).group(1))
-    exports = [float(t) for t in re.findall(r"exported step \d+ to .* in ([\d.]+) s", proc.stdout)]
+    exports = [(float(t), float(g)) for t, g in
+               re.findall(r"exported step \d+ to .* in ([\d.]+) s: gathered in ([\d.]+) s", proc.stdout)]
     return loop / steps, exports
 
 
@@ -57,13 +58,15 @@ def main() -> None:
             for i, (name, extra) in enumerate(variants.items()):
                 results[name].append(run(args.nproc, args.steps, [*extra, *args.overrides], Path(tmp), f"r{r}v{i}"))
     print(f"| variant ({args.nproc} processes, {args.steps} steps, {args.repeats} runs) | seconds per step, "
-          "each run | median | export line (gather + write), median |")
-    print("|---|---|---:|---:|")
+          "each run | median | an export, gather + write (median) | its gather (median) |")
+    print("|---|---|---:|---:|---:|")
     for name, runs in results.items():
         per_step = [s for s, _ in runs]
-        exports = [t for _, e in runs for t in e]
-        shown = f"{statistics.median(exports):.2f} s ({len(exports)} exports)" if exports else "-"
-        print(f"| {name} | {' / '.join(f'{s:.3f}' for s in per_step)} | {statistics.median(per_step):.3f} | {shown} |")
+        exports = [e for _, found in runs for e in found]
+        whole = f"{statistics.median(t for t, _ in exports):.2f} s ({len(exports)} exports)" if exports else "-"
+        gather = f"{statistics.median(g for _, g in exports):.2f} s" if exports else "-"
+        print(f"| {name} | {' / '.join(f'{s:.3f}' for s in per_step)} | {statistics.median(per_step):.3f} | "
+              f"{whole} | {gather} |")
 
 
 if __name__ == "__main__":

@@ -69,16 +69,17 @@ class HFExport:
         self.finish_pending()
         started = time.perf_counter()
         state = get_model_state_dict(self.module, options=_FULL_ON_RANK_0)  # {} on ranks other than 0
+        gathered = time.perf_counter() - started
         out = step_dir(self.folder, step)
         tensors = [(canonical_name(name), t) for name, t in state.items()]
         if not self.background:
-            self._agree(self._write(tensors, out, started) if self.rank == 0 else None)
+            self._agree(self._write(tensors, out, started, gathered) if self.rank == 0 else None)
         elif self.rank == 0:
             # Where a gathered tensor is the live parameter itself (nothing to gather: one
             # shard), the optimizer would change it under the writer: copy those.
             live = {_storage(t) for t in [*self.module.parameters(), *self.module.buffers()]}
             tensors = [(name, t.clone() if _storage(t) in live else t) for name, t in tensors]
-            self._pending = self._writer.submit(self._write, tensors, out, started)
+            self._pending = self._writer.submit(self._write, tensors, out, started, gathered)
 
     def finish_pending(self) -> None:
         """Background: wait for the write in flight (rank 0) and tell every rank how it went."""
@@ -92,7 +93,8 @@ class HFExport:
         if self._writer is not None:
             self._writer.shutdown()
 
-    def _write(self, tensors: list[tuple[str, torch.Tensor]], out: Path, started: float) -> str | None:
+    def _write(self, tensors: list[tuple[str, torch.Tensor]], out: Path, started: float,
+               gathered: float) -> str | None:
         """Rank 0: the folder at ``out`` complete, or nothing there; returns None, or why not."""
         try:
             with staged(out, "hf") as tmp:
@@ -101,8 +103,8 @@ class HFExport:
             return str(err)
         size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
         print(f"meshtrain: exported step {int(out.name[5:])} to {out} (Hugging Face, {size / 2**20:,.1f} MiB) "
-              f"in {time.perf_counter() - started:.1f} s" + (" (written in the background)" if self.background else ""),
-              flush=True)
+              f"in {time.perf_counter() - started:.2f} s: gathered in {gathered:.2f} s, written "
+              + ("in the background" if self.background else "on the step's path"), flush=True)
         return None
 
     def _agree(self, failure: str | None) -> None:
