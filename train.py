@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if start_step == 0 and cfg.checkpoint.initial_load_hf:
         recipe.load_hf_weights(cfg, parts)
+    hf_export = recipe.open_hf_export(cfg, parts, run_dir)  # None unless [checkpoint] export_hf_interval
     step = recipe.build_step(cfg, layout, parts, optimizer, device)
     if start_step == 0 and dist.get_rank() == 0:
         set_aside_earlier_run(run_dir / "tb")                # a new run gets its own TensorBoard curve
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                     metrics.log(n, {**scalars, **memory_stats(device)})
                 if validation is not None and validation.due(n, last=n == t.steps):
                     metrics.log(n, validation.run(n))  # forward only, on held-out data: training is untouched
+                if hf_export is not None and hf_export.due(n, last=n == t.steps):
+                    with step_phase(n, "Hugging Face export"):
+                        hf_export.export(n)  # gathered now; with async_save written in the background
                 stopping = stop.agreed(device)  # every rank stops after the same step
                 if checkpoint is not None and (stopping or checkpoint.should_save(n, last=n == t.steps)):
                     with step_phase(n, "checkpoint save"):
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         profiler.close(n)
     if checkpoint is not None:
         checkpoint.close()
+    if hf_export is not None:
+        hf_export.close()
     metrics.close()
     if not stopping:
         say_done(start_step, n, time.perf_counter() - began, tokens_per_step, loss, checkpoint, run_dir)

@@ -59,8 +59,9 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(out):
-    """dp 2 x tp 2, 12 steps, saving at 6 and 12 in the background (async)."""
-    train(out, "whole", *DP2_TP2, "--checkpoint.async_save=true")
+    """dp 2 x tp 2, 12 steps, saving at 6 and 12 in the background (async), Hugging Face
+    folders too (the resumed runs export none: their losses show the export changes nothing)."""
+    train(out, "whole", *DP2_TP2, "--checkpoint.async_save=true", "--checkpoint.export_hf_interval=6")
     return losses(out, "whole")
 
 
@@ -72,6 +73,17 @@ def test_killed_after_a_save_then_rerun_continues_bitwise(out, uninterrupted):
     assert "resumed at step 6" in proc.stdout
     assert torch.equal(losses(out, "resumed"), uninterrupted)
     assert steps_saved(out, "resumed") == [6, 12]
+
+
+@pytest.mark.slow
+def test_hugging_face_folders_gathered_from_dp2_tp2_shards_give_that_steps_logits_in_transformers(out, uninterrupted):
+    pytest.importorskip("transformers")
+    from tests.test_hf_export_during_training import assert_transformers_gives_the_logits_of
+
+    hf = out / "whole" / "hf"
+    assert sorted(p.name for p in hf.iterdir()) == ["step-00000006", "step-00000012"]  # nothing half-written
+    for step in ("step-00000006", "step-00000012"):
+        assert_transformers_gives_the_logits_of(hf / step, out / "whole" / "checkpoint" / step)
 
 
 @pytest.mark.slow

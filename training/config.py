@@ -190,6 +190,10 @@ class CheckpointSection:
                                  "(model, data, optimizer...): refuse, or resume anyway (this config's lr "
                                  "applies)",
                                  choices=("refuse", "resume"))
+    export_hf_interval: int = opt(0, "write a Hugging Face folder (config.json + safetensors, what "
+                                  "from_pretrained loads) to the run folder's hf/step-N/ every this many steps "
+                                  "and at the last step, in the background with async_save; 0: off. Llama and "
+                                  '[model] name = "hf", pp = 1 (docs/checkpointing.md)', min=0)
     initial_load_hf: str = opt("", "a Hugging Face folder (config.json + *.safetensors; Llama, or the "
                                'model of [model] name = "hf") to start from when there is no '
                                "checkpoint to resume")

@@ -189,6 +189,7 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         where = _where("profiling", "start_step", p.start_step, sources.get(("profiling", "start_step")))
         raise ConfigError(f"{where} is after the last step ([training] steps = {t.steps}): nothing would be "
                           f"profiled. Use a start_step from 1 to {t.steps}")
+    _check_export_hf(cfg, sources)
     v = cfg.validation
     check_validation(cfg, sources, needed_by=_where("validation", "enable", v.enable,
                                                     sources.get(("validation", "enable"))) if v.enable else "")
@@ -216,6 +217,29 @@ def check_validation(cfg: JobConfig, sources: dict | None = None, *, needed_by: 
         raise ConfigError(f"{needed_by}, but [validation] has no data: set split (e.g. 0.05: the last 5% of the training data "
                           'is held out; with dataset = "sft", 5% of its records) or dataset (stdlib, text, tokens or '
                           "sft, with dataset_path)")
+
+
+def _check_export_hf(cfg: JobConfig, sources) -> None:
+    """[checkpoint] export_hf_interval: a family with a Hugging Face writer, the whole model
+    on rank 0 (no pipeline), safetensors installed -- now, not at the first export."""
+    every = cfg.checkpoint.export_hf_interval
+    if not every:
+        return
+    where = _where("checkpoint", "export_hf_interval", every, sources.get(("checkpoint", "export_hf_interval")))
+    name = cfg.model.name
+    if not registry.get(name).hf:
+        raise ConfigError(f'{where}: [model] name = "{name}" has no Hugging Face converter (models/registry.py); '
+                          f"the families that have one are {', '.join(f for f, fam in registry.FAMILIES.items() if fam.hf)}. "
+                          "Use export_hf_interval = 0 (meshtrain export --format torch turns a checkpoint into one "
+                          "torch file)")
+    if cfg.parallelism.pp > 1:
+        raise ConfigError(f"{where}: export during training gathers the whole model on rank 0, which a pipeline "
+                          f"([parallelism] pp = {cfg.parallelism.pp}) spreads over its stages. Use "
+                          "export_hf_interval = 0 and export the checkpoints afterwards: meshtrain export "
+                          "STEP_DIR OUT --format hf")
+    if importlib.util.find_spec("safetensors") is None:
+        raise ConfigError(f'{where} writes safetensors, which is not installed: pip install "meshtrain[hf]" '
+                          "(or pip install safetensors)")
 
 
 def _check_hf_model(m, sources) -> None:

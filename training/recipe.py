@@ -179,8 +179,10 @@ def _check_inputs(cfg: JobConfig) -> None:
     """Files and folders the config names, before anything is started."""
     t, hf = cfg.training, cfg.checkpoint.initial_load_hf
     run_dir = Path(cfg.job.output_dir) / cfg.job.name
-    for path, key in ((run_dir / "tb", "[job] output_dir / name"),
-                      (run_dir / cfg.checkpoint.folder, "[checkpoint] folder")):
+    folders = [(run_dir / "tb", "[job] output_dir / name"), (run_dir / cfg.checkpoint.folder, "[checkpoint] folder")]
+    if cfg.checkpoint.export_hf_interval:
+        folders.append((run_dir / "hf", "[checkpoint] export_hf_interval"))
+    for path, key in folders:
         blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
         if blocking is not None:  # found now, not by the TensorBoard writer after the first step
             raise ConfigError(f'{key}: "{blocking}" is a file, but the run writes a folder there ({path})')
@@ -355,6 +357,19 @@ def open_checkpoint(cfg: JobConfig, run: Parts, optimizer, scheduler, data, run_
     if data_state:
         data.load_state_dict(data_state)  # refuses a different dataset / seq_len / batch
     return checkpoint, start_step
+
+
+def open_hf_export(cfg: JobConfig, run: Parts, run_dir: Path):
+    """Hugging Face folders every [checkpoint] export_hf_interval steps (training/hf_export.py),
+    or None when it is 0."""
+    from meshtrain.training.hf_export import HFExport
+
+    c = cfg.checkpoint
+    if not c.export_hf_interval:
+        return None
+    (module,) = run.modules  # pp = 1: config_loader refuses export during training under a pipeline
+    return HFExport(run_dir / "hf", module=module, family=registry.get(cfg.model.name), model_config=run.model.cfg,
+                    interval=c.export_hf_interval, background=c.async_save)
 
 
 def load_hf_weights(cfg: JobConfig, run: Parts) -> None:
