@@ -167,3 +167,45 @@ def assert_clipping_binds(oracle: Oracle, label: str) -> None:
     dev = deviations(oracle.unclipped.losses, oracle.unclipped.grad_norms, oracle.unclipped.final, oracle)
     assert dev["losses"] > 3 * K and dev["final"] > 10 * K, (
         f"{label}: clipping moves the reference only {dev} rounding scales; it must bind harder")
+
+
+# ---------------------------------------------------------------- a mixture of experts, one token at a time
+
+def moe_forward(x: torch.Tensor, *, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                bias: torch.Tensor, top_k: int, score_func: str, route_norm: bool, route_scale: float,
+                shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """A mixture-of-experts feed-forward written as its definition reads, a token and an
+    expert at a time: x [b, s, dim] -> (output [b, s, dim], each sequence's balance [b]).
+
+    For each token: scores over the experts (softmax, or a sigmoid each), the top_k of
+    scores + bias chosen (the bias only chooses), their scores as weights (divided by their
+    sum with route_norm, times route_scale), the output the weighted sum of the chosen
+    experts' SwiGLU (w2 [E, dim, h], w1/w3 [E, h, dim]) plus the shared SwiGLU (w1, w2, w3)
+    if any. Each sequence's balance is E * sum_e f_e P_e: f_e the share of its k * s choices
+    that went to e, P_e the mean over its tokens of e's score divided by the token's score sum."""
+    batch, seq, _ = x.shape
+    n_experts = gate.shape[0]
+    swiglu = lambda v, a, b, c: b @ (F.silu(a @ v) * (c @ v))
+    rows, balance = [], []
+    for i in range(batch):
+        picks, score_share, outs = [0] * n_experts, torch.zeros(n_experts, dtype=x.dtype), []
+        for t in range(seq):
+            v = x[i, t]
+            logits = gate @ v
+            scores = torch.softmax(logits.float(), dim=0) if score_func == "softmax" else torch.sigmoid(logits.float())
+            chosen = torch.argsort(scores + bias, descending=True)[:top_k].tolist()
+            weights = [scores[e] for e in chosen]
+            if route_norm:
+                total = sum(weights)
+                weights = [w / total for w in weights]
+            out = sum(w * route_scale * swiglu(v, w1[e], w2[e], w3[e]) for w, e in zip(weights, chosen))
+            if shared is not None:
+                out = out + swiglu(v, *shared)
+            outs.append(out)
+            for e in chosen:
+                picks[e] += 1
+            score_share = score_share + scores / scores.sum()
+        rows.append(torch.stack(outs))
+        f = torch.tensor(picks, dtype=x.dtype) / (seq * top_k)
+        balance.append(n_experts * (f * score_share / seq).sum())
+    return torch.stack(rows), torch.stack(balance)
