@@ -143,6 +143,12 @@ _CONSOLE = {
 _TENSORBOARD_ONLY = {"rss_gib", "reserved_gib", "valley_gib"}
 
 
+def _per_layer(key: str) -> bool:
+    """A tag in a folder of its own, one per layer (moe/load_max_over_mean/layer3): too many
+    for the console line, TensorBoard only."""
+    return key.count("/") >= 2
+
+
 def _format(key: str, value: float) -> str:
     if key in _CONSOLE:
         label, fmt = _CONSOLE[key]
@@ -207,7 +213,7 @@ class MetricsLogger:
         if self.rank != 0:
             return
         scalars = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-        shown = [_format(k, v) for k, v in scalars.items() if k not in _TENSORBOARD_ONLY]
+        shown = [_format(k, v) for k, v in scalars.items() if k not in _TENSORBOARD_ONLY and not _per_layer(k)]
         print(" | ".join([f"step {step:>4d}", *shown]), flush=True)
         for tracker in self._trackers():
             tracker.log(step, scalars)
