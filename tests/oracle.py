@@ -59,12 +59,14 @@ class Run:
 def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], *, lr: float,
           max_norm: float, weight_decay: float = 0.1, betas=(0.9, 0.999), eps: float = 1e-8,
           decay_all: bool = True, lr_at: Callable[[int], float] | None = None,
-          dtype: torch.dtype = torch.float32) -> Run:
+          dtype: torch.dtype = torch.float32, expert_bias_rate: float | None = None) -> Run:
     """Train ``model`` (modified in place, cast to ``dtype``) on ``steps``: each step a list
     of (inputs, labels) micro-batches of equal size that together make the global batch.
     ``decay_all``: one AdamW group for everything (else matrices and embeddings decay,
-    vectors do not). ``max_norm`` 0: no clipping."""
+    vectors do not). ``max_norm`` 0: no clipping. ``expert_bias_rate``: a mixture of
+    experts, balanced as `ExpertBalancing` says."""
     model.to(dtype)
+    balancing = ExpertBalancing(model, expert_bias_rate) if expert_bias_rate is not None else None
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": params, "weight_decay": weight_decay}] if decay_all else [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
@@ -74,6 +76,8 @@ def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]
     for step, micro_batches in enumerate(steps):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
+        if balancing is not None:
+            balancing.before_step(sum(labels.numel() for _, labels in micro_batches))
         for inputs, labels in micro_batches:
             logits = logits_of(model(inputs)).flatten(0, 1)
             loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten())
@@ -87,10 +91,44 @@ def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
         optimizer.step()
+        if balancing is not None:
+            balancing.after_step()
         run.losses.append(total)
         run.grad_norms.append(norm.item())
     run.final = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     return run
+
+
+class ExpertBalancing:
+    """The training loop's part in a mixture of experts, DeepSeek-V3's recipe written out:
+    the balance loss the model adds in backward is the mean over the step's sequences
+    (each MoE layer's ``loss_scale`` = 1 / the step's tokens: it sums per-token terms), and
+    after each optimizer step every layer's ``expert_bias`` moves by rate * sign(mean load
+    - load), the loads counted here from what its router chose during the step."""
+
+    def __init__(self, model: nn.Module, rate: float):
+        self.rate = rate
+        self.layers = [m for m in model.modules() if hasattr(m, "expert_bias")]
+        self.loads = {id(m): torch.zeros(m.expert_bias.numel()) for m in self.layers}
+        for m in self.layers:
+            m.router.register_forward_hook(self._count(m))
+
+    def _count(self, layer):
+        def hook(router, args, output):
+            chosen = output[1]  # (weights, chosen experts, scores)
+            self.loads[id(layer)] += torch.bincount(chosen.flatten(), minlength=len(self.loads[id(layer)]))
+        return hook
+
+    def before_step(self, tokens: int) -> None:
+        for m in self.layers:
+            m.loss_scale = 1.0 / tokens
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for m in self.layers:
+            load = self.loads[id(m)]
+            m.expert_bias += self.rate * torch.sign(load.mean() - load).to(m.expert_bias.dtype)
+            load.zero_()
 
 
 @dataclass

@@ -52,7 +52,9 @@ def oracle_for(overrides: dict, init: dict, accum: int = 1) -> oracle.Oracle:
 
         vocab = parity.build(overrides).cfg.vocab_size
         steps = [[(c[:, :-1], c[:, 1:]) for c in tokens.chunk(accum)] for tokens in parity.batches(vocab)]
-        _oracles[key] = oracle.run_oracle(make, steps, with_unclipped=True, **oracle_settings())
+        moe = overrides.get("family") == "moe"  # the loop's share of balancing the experts
+        balancing = dict(expert_bias_rate=parity.build(overrides).cfg.bias_update_rate) if moe else {}
+        _oracles[key] = oracle.run_oracle(make, steps, with_unclipped=True, **oracle_settings(), **balancing)
     return _oracles[key]
 
 

@@ -54,7 +54,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor):
         """x [T, dim] -> (weights [T, k], chosen experts [T, k], scores [T, E]), fp32."""
-        logits = self.gate(x).float()  # fp32 whatever the compute dtype: the choice hinges on small gaps
+        logits = self.gate(x)  # at least fp32 whatever the compute dtype: the choice hinges on small gaps
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores + expert_bias, self.top_k, dim=-1).indices  # the bias picks, never weighs
         weights = scores.gather(-1, chosen)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.models.gpt2 import GPT2
 from meshtrain.models.llama import Llama
+from meshtrain.models.moe import MoETransformer
 from meshtrain.parallel import ParallelDims, parallelize, shutdown_distributed, submesh
 from meshtrain.training.optim import Optimizers, Schedulers
 from meshtrain.training.step import train_step
@@ -45,6 +46,11 @@ LAYOUTS = {
     "gpt2_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="gpt2")),
     "gpt2_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="gpt2")),
     "gpt2_tp4": (dict(tp=4, dp_shard=1), "FULL_SHARD", dict(family="gpt2")),
+    # A mixture of experts (softmax scores, shared expert, dense first block, the balance
+    # loss and the loss-free bias on): experts replicated over tp, loads summed over dp.
+    "moe_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe")),
+    "moe_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="moe")),
+    "moe_sigmoid_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe", score_func="sigmoid", route_scale=2.5)),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -69,16 +75,18 @@ PP_LAYOUTS = {
     "tied_pp2": (dict(pp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(tie_embeddings=True))),
     "gpt2_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(family="gpt2"))),
     "gpt2_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="gpt2"))),
+    "moe_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(family="moe"))),
+    "moe_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="moe"))),
     "gpt2_pp2_zbv": (dict(pp=2, dp_shard=1), "ZBVZeroBubble", dict(per_rank=2, micro=4,
                                                                     model=dict(family="gpt2"))),
 }
 
 
 def build(overrides: dict, meta: bool = True):
-    """The debug model (on meta unless ``meta=False``): GPT-2 when overrides say
-    family="gpt2", else Llama."""
+    """The debug model (on meta unless ``meta=False``): GPT-2 or the mixture of experts when
+    overrides say family="gpt2" or "moe", else Llama."""
     overrides = dict(overrides)
-    family = GPT2 if overrides.pop("family", "llama") == "gpt2" else Llama
+    family = {"llama": Llama, "gpt2": GPT2, "moe": MoETransformer}[overrides.pop("family", "llama")]
     return family.from_flavor("debug", meta=meta, **overrides)
 
 
