@@ -9,12 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.models.moe import MoETransformer
-from meshtrain.models.moe.experts import GroupedExperts, grouped_linear, looped_linear
+from meshtrain.models.moe import experts
+from meshtrain.models.moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported, looped_linear
 from meshtrain.models.moe.layer import MoE, sequence_balance
 from tests import oracle
-
-SHAPES = dict(score_func=("softmax", "sigmoid"))
-
 
 def small(**overrides) -> MoETransformer:
     torch.manual_seed(0)
@@ -70,9 +68,13 @@ def tokens_for(vocab=256, batch=3, seq=17):
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
-def test_forward_and_gradients_match_the_token_loop(score_func):
+@pytest.mark.parametrize("path", ["grouped_mm", "loop"])
+def test_forward_and_gradients_match_the_token_loop(monkeypatch, score_func, path):
     """Loss and every gradient (router, experts, shared experts, attention, the dense first
-    layer) in fp32 within 1e-5, with a non-zero routing bias and the balance loss on."""
+    layer) in fp32 within 1e-5, with a non-zero routing bias and the balance loss on; the
+    experts as torch's grouped matmul and as the loop over experts."""
+    if path == "loop":
+        monkeypatch.setattr(experts, "grouped_mm_supported", lambda x, w: False)
     model = small(score_func=score_func, route_scale=1.5 if score_func == "sigmoid" else 1.0,
                   balance_loss_coef=0.1)
     for moe in model.moe_layers().values():  # a bias that changes choices: the oracle must apply it
@@ -109,15 +111,16 @@ def test_the_oracle_catches_a_misrouted_token(monkeypatch, fault):
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 9, 0], [0, 2, 0, 1]])
 def test_grouped_linear_matches_a_matmul_per_row(counts):
-    """The loop fallback (and whatever grouped_linear picks here) against each row times its
+    """The loop fallback and torch._grouped_mm (CPU, float32) against each row times its
     expert's weight, forward and backward, empty experts included."""
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor(counts)
-    x = torch.randn(int(counts.sum()), 6, generator=g, requires_grad=True)
-    w = torch.randn(4, 5, 6, generator=g, requires_grad=True)
+    x = torch.randn(int(counts.sum()), 8, generator=g, requires_grad=True)
+    w = torch.randn(4, 12, 8, generator=g, requires_grad=True)
+    assert grouped_mm_supported(x, w) == hasattr(torch, "_grouped_mm")  # CPU float32: torch's kernel
     expert_of_row = torch.repeat_interleave(torch.arange(4), counts)
     want = torch.stack([x[r] @ w[e].t() for r, e in enumerate(expert_of_row.tolist())])
-    upstream = torch.randn(len(x), 5, generator=g)
+    upstream = torch.randn(len(x), 12, generator=g)
     (want * upstream).sum().backward()
     want_dx, want_dw = x.grad.clone(), w.grad.clone()
     for fn in (looped_linear, grouped_linear):

@@ -8,9 +8,9 @@ parallelism) happens outside, so an expert-parallel style can wrap this module's
 with hooks that send each group to the rank holding its expert and bring the results
 back, while the weights' leading dimension E is the one it splits.
 
-Each projection is a grouped matmul: `torch._grouped_mm` where it has a kernel (CUDA,
-bfloat16, 16-byte aligned rows), else a loop over the experts' contiguous slices
-(bench/moe_grouped_mm.py measures the choices on CPU).
+Each projection is a grouped matmul: `torch._grouped_mm` where it has a kernel (CUDA in
+bfloat16, CPU in float32; 16-byte aligned rows), else a loop over the experts' contiguous
+slices (bench/moe_grouped_mm.py measures the three ways on CPU).
 """
 
 from __future__ import annotations
@@ -39,10 +39,15 @@ def looped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torc
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm's CUDA kernel takes bfloat16 with every row 16 bytes aligned (its
-    meta registration checks both); elsewhere the loop is used."""
-    return (x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
-            and x.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0 and hasattr(torch, "_grouped_mm"))
+    """Where torch._grouped_mm has a kernel: CUDA in bfloat16 (its meta registration's
+    check), and torch's CPU build in float32 (1.0-1.6x the loop's speed, bench/moe_grouped_mm.py);
+    both want every row 16 bytes aligned. Elsewhere (float64, CUDA float32) the loop."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and aligned
+    return x.device.type == "cpu" and x.dtype == torch.float32 and aligned
 
 
 def _is_fake(x: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from meshtrain.models.gpt2 import GPT2
 from meshtrain.models.llama import Llama
 from meshtrain.models.moe import MoETransformer
+from meshtrain.models.moe.experts import GroupedExperts
 from meshtrain.parallel import ParallelDims, parallelize, shutdown_distributed, submesh
 from meshtrain.training.optim import Optimizers, Schedulers
 from meshtrain.training.step import train_step
@@ -192,6 +193,8 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
 # ---------------------------------------------------------------- faults a parallel trainer really has
 
 FAULTS = ("no_clip", "loss_not_divided", "grads_summed", "stage_left_out_of_norm", "lr_off_by_one")
+# A mixture of experts' own faults, each on a layout it shows in (run in the same start-up).
+MOE_FAULTS = ("moe_fsdp4+misrouted_token", "moe_fsdp4+loads_not_summed", "moe_pp2_dp2+balance_loss_unscaled")
 
 
 @contextlib.contextmanager
@@ -201,6 +204,7 @@ def injected(fault: str | None, dims: dict):
     import meshtrain.training.step as step
 
     clip, loss_fn, schedule = step.clip_grad_norm_, step.pipeline_loss_fn, globals()["optimizer_and_schedule"]
+    moe_methods = (GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale)
     if fault == "no_clip":  # the norm is still computed and reported; nothing is scaled
         step.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, 0.0, **kw)
     elif fault == "stage_left_out_of_norm":  # each pipeline stage clips by its own norm
@@ -223,6 +227,19 @@ def injected(fault: str | None, dims: dict):
             scheduler.step()
             return optimizer, scheduler
         globals()["optimizer_and_schedule"] = ahead
+    elif fault == "misrouted_token":  # dispatch sends two token copies to each other's expert
+        forward = GroupedExperts.forward
+
+        def swapped(self, x_sorted, tokens_per_expert):
+            x_sorted = x_sorted.clone()
+            x_sorted[[0, -1]] = x_sorted[[-1, 0]]
+            return forward(self, x_sorted, tokens_per_expert)
+        GroupedExperts.forward = swapped
+    elif fault == "loads_not_summed":  # each rank moves its bias by its own tokens' loads only
+        update = MoETransformer.after_optimizer_step
+        MoETransformer.after_optimizer_step = lambda self, sum_over=(): update(self, sum_over=())
+    elif fault == "balance_loss_unscaled":  # the step never tells the model its loss scale
+        MoETransformer.set_loss_scale = lambda self, scale: None
     elif fault is not None:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     try:
@@ -230,6 +247,7 @@ def injected(fault: str | None, dims: dict):
     finally:
         step.clip_grad_norm_, step.pipeline_loss_fn = clip, loss_fn
         globals()["optimizer_and_schedule"] = schedule
+        GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale = moe_methods
 
 
 if __name__ == "__main__":
