@@ -23,7 +23,7 @@ from torch import nn
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` [T, in], in groups of ``tokens_per_expert`` [E], each times its expert's
     ``weight[e]`` [out, in] transposed (as nn.Linear stores it) -> [T, out]."""
-    if _is_fake(x):
+    if x.is_meta or _is_fake(x):  # shape inference (pipeline stages), the dry run
         return _shape_only_linear(x, weight)
     if grouped_mm_supported(x, weight):
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)  # group ends, as the kernel wants
@@ -57,8 +57,8 @@ def _is_fake(x: torch.Tensor) -> bool:
 
 
 def _shape_only_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Under fake tensors (the dry run) the group sizes are data: every row goes through
-    expert 0 -- the same shapes, FLOPs and saved activations as any routing."""
+    """On meta or fake tensors the group sizes are unknown (they are data): every row goes
+    through expert 0 -- the same shapes, FLOPs and saved activations as any routing."""
     return x @ weight[0].t() + 0 * weight.sum()  # every expert's weight in the graph: its gradient exists
 
 
