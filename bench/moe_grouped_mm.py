@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 from meshtrain.models.moe.experts import looped_linear
 
-# (tokens, dim, expert hidden, experts, top_k): the debug flavor's layer, wider ones, and one
-# Qwen3-30B-A3B layer (dim 2048, 128 experts of 768, top 8) over 1024 tokens.
-SHAPES = [(4096, 64, 64, 8, 2), (4096, 512, 256, 16, 2), (2048, 1024, 512, 64, 6), (1024, 2048, 768, 128, 8)]
+# (tokens, dim, expert hidden, experts, top_k): the debug flavor's layer, then wider ones with
+# more experts. (A Qwen3-30B-A3B layer, 128 experts of 768 at dim 2048, runs for minutes per
+# path on one CPU core: measure it on a GPU.)
+SHAPES = [(4096, 64, 64, 8, 2), (4096, 512, 256, 16, 2), (2048, 1024, 512, 64, 6)]
 
 
 def grouped_linear_mm(x, w, counts):
