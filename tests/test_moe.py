@@ -37,7 +37,7 @@ def oracle_loss_and_grads(model, tokens):
         def loop(x, moe=moe):
             shared = moe.shared_experts
             out, balance = oracle.moe_forward(
-                x, gate=moe.router.gate.weight, w1=moe.experts.w1, w2=moe.experts.w2, w3=moe.experts.w3,
+                x, gate=moe.router.gate, w1=moe.experts.w1, w2=moe.experts.w2, w3=moe.experts.w3,
                 bias=moe.expert_bias, top_k=moe.top_k, score_func=moe.router.score_func,
                 route_norm=moe.router.route_norm, route_scale=moe.router.route_scale,
                 shared=(shared.w1.weight, shared.w2.weight, shared.w3.weight) if shared is not None else None)
@@ -137,7 +137,7 @@ def test_bias_chooses_but_does_not_weigh():
     model = small(n_shared_experts=0, route_norm=False)
     moe = next(iter(model.moe_layers().values()))
     x = torch.randn(10, model.cfg.dim)
-    scores = moe.router.gate(x).softmax(-1)
+    scores = F.linear(x, moe.router.gate).softmax(-1)
     bias = torch.zeros(moe.n_experts)
     bias[0] = 10.0
     weights, chosen, _ = moe.router(x, bias)
@@ -187,7 +187,7 @@ def test_balance_loss_reaches_the_router_only_through_its_gradient():
     loss_off, grads_off = model_loss_and_grads(off, tokens)
     loss_on, grads_on = model_loss_and_grads(on, tokens)
     assert loss_on == loss_off
-    name = "layers.1.feed_forward.router.gate.weight"
+    name = "layers.1.feed_forward.router.gate"
     assert not torch.allclose(grads_on[name], grads_off[name])
 
 

@@ -48,14 +48,18 @@ class SwiGLU(nn.Module):
 class Router(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
-        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        # A plain weight, not an nn.Linear: float8 training converts Linear layers, and the
+        # choice of experts hinges on small score gaps.
+        self.gate = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
         self.top_k, self.score_func = cfg.top_k, cfg.score_func
         self.route_norm, self.route_scale = cfg.route_norm, cfg.route_scale
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor):
         """x [T, dim] -> (weights [T, k], chosen experts [T, k], scores [T, E]), fp32."""
-        logits = self.gate(x)  # at least fp32 whatever the compute dtype: the choice hinges on small gaps
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        # At least fp32 whatever the compute dtype (bf16 under mixed precision): the choice
+        # hinges on small gaps between scores.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(dtype), self.gate.to(dtype))
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores + expert_bias, self.top_k, dim=-1).indices  # the bias picks, never weighs
         weights = scores.gather(-1, chosen)
