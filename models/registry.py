@@ -22,6 +22,7 @@ Optional -- the step calls them on each model part that has them (models/moe/mod
     after_optimizer_step(sum_over)  after each optimizer step, on every rank: update state that
                                 is not a parameter (a routing bias) from what the step saw,
                                 summed over the data-parallel meshes in ``sum_over``
+    active_parameters() -> int  parameters one token uses, when fewer than all (MFU counts these)
     metrics() -> {tag: value}   extra scalars to log on logged steps (after after_optimizer_step);
                                 a tag several pipeline stages report is summed over them
 """

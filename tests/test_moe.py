@@ -192,8 +192,11 @@ def test_balance_loss_reaches_the_router_only_through_its_gradient():
 
 
 def test_planning_flavors_build_on_meta():
-    sizes = {name: sum(p.numel() for p in MoETransformer.from_flavor(name, meta=True).parameters())
-             for name in ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3_671b")}
+    models = {name: MoETransformer.from_flavor(name, meta=True)
+              for name in ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3_671b")}
+    sizes = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    assert models["qwen3_30b_a3b"].active_parameters() == pytest.approx(3.3e9, rel=0.02)      # "A3B": 3.3B
+    assert models["qwen3_235b_a22b"].active_parameters() == pytest.approx(22e9, rel=0.02)     # "A22B"
     assert sizes["qwen3_30b_a3b"] == pytest.approx(30.5e9, rel=0.01)      # published: 30.5B
     assert sizes["qwen3_235b_a22b"] == pytest.approx(235e9, rel=0.01)     # published: 235B
     assert sizes["deepseek_v3_671b"] == pytest.approx(671e9, rel=0.05)    # GQA, not MLA: a little more

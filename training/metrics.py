@@ -21,8 +21,12 @@ from meshtrain.training.trackers import open_tracker, resolve_trackers
 
 def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """`flops_per_token` of a whole model (on meta is fine): its embedding tables are
-    lookups, except one tied to the output layer, which is also that matmul."""
+    lookups, except one tied to the output layer, which is also that matmul. A model whose
+    tokens each use only some of its weights (a mixture of experts) says how many through
+    its optional ``active_parameters()``: MFU counts those."""
     n = sum(p.numel() for p in model.parameters())  # a tied weight once
+    if callable(getattr(model, "active_parameters", None)):
+        n = model.active_parameters()
     lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     lookups -= sum(model.get_parameter(names[0]).numel() for names in model.tied_weights())
     return flops_per_token(n, lookups, model.cfg.n_layers, model.cfg.dim, seq_len)

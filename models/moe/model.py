@@ -98,6 +98,13 @@ class MoETransformer(nn.Module):
             sizes["FFN width"] = c.ffn_hidden
         return sizes
 
+    def active_parameters(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (what
+        MFU counts, training/metrics.py)."""
+        total = sum(p.numel() for p in self.parameters())
+        unused = sum(m.experts.w1[0].numel() * 3 * (m.n_experts - m.top_k) for m in self.moe_layers().values())
+        return total - unused
+
     # ---- the optional calls of training/step.py ----
 
     def moe_layers(self) -> dict[str, MoE]:
