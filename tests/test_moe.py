@@ -148,7 +148,7 @@ def test_bias_chooses_but_does_not_weigh():
 def test_bias_moves_against_the_load_after_each_step():
     model = small(bias_update_rate=0.01)
     moe = next(iter(model.moe_layers().values()))
-    moe.tokens_per_expert.copy_(torch.tensor([8.0, 0, 4, 4, 4, 4, 4, 4]))  # mean 4
+    moe.tokens_per_expert.copy_(torch.tensor([8, 0, 4, 4, 4, 4, 4, 4]))  # mean 4
     model.after_optimizer_step()
     assert moe.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0, 0])
     assert moe.tokens_per_expert.sum() == 0  # counted afresh each step

@@ -109,7 +109,8 @@ class MoE(nn.Module):
         # Training state, saved with the weights: the loss-free balancing bias.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         # Observed since the last optimizer step (read and reset by after_optimizer_step).
-        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
+        # (Integers: a float32 count stops being exact past 2^24 token copies per step.)
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("balance_total", torch.zeros(()), persistent=False)
         # The factor the step multiplies summed token losses by (models' set_loss_scale);
         # None: the balance loss is the mean over this forward's sequences.
@@ -141,7 +142,7 @@ class MoE(nn.Module):
         balance = (sequence_balance(chosen, scores, batch) * seq).sum() * scale
         if _first_forward(x):  # not again when activation checkpointing recomputes in backward
             with torch.no_grad():
-                self.tokens_per_expert += tokens_per_expert.to(self.tokens_per_expert.dtype)
+                self.tokens_per_expert += tokens_per_expert
                 self.balance_total += balance.detach()
         if self.balance_loss_coef > 0:
             out = AddBalanceLoss.apply(out, self.balance_loss_coef * balance)

@@ -134,11 +134,11 @@ class MoETransformer(nn.Module):
             if mesh is not None:
                 dist.all_reduce(loads, group=mesh.get_group())
                 dist.all_reduce(balance, op=dist.ReduceOp.AVG, group=mesh.get_group())  # as the loss is
-        rate = self.cfg.bias_update_rate
+        rate, loads = self.cfg.bias_update_rate, loads.double()
         mean = loads.mean(dim=-1, keepdim=True)
         for moe, load in zip(layers.values(), loads):
             if rate > 0:
-                moe.expert_bias += rate * torch.sign(load.mean() - load)
+                moe.expert_bias += rate * torch.sign(load.mean() - load).to(moe.expert_bias.dtype)
             moe.tokens_per_expert.zero_()
             moe.balance_total.zero_()
         ratio = (loads.max(dim=-1).values / mean.squeeze(-1).clamp(min=1)).tolist()
