@@ -126,7 +126,6 @@ class MoETransformer(nn.Module):
         the loads are -- and keep the loads for `metrics`."""
         layers = self.moe_layers()
         if not layers:
-            self._metrics = {}
             return
         loads = torch.stack([m.tokens_per_expert for m in layers.values()])
         balance = torch.stack([m.balance_total for m in layers.values()])
@@ -134,25 +133,29 @@ class MoETransformer(nn.Module):
             if mesh is not None:
                 dist.all_reduce(loads, group=mesh.get_group())
                 dist.all_reduce(balance, op=dist.ReduceOp.AVG, group=mesh.get_group())  # as the loss is
-        rate, loads = self.cfg.bias_update_rate, loads.double()
-        mean = loads.mean(dim=-1, keepdim=True)
+        loads = loads.double()
         for moe, load in zip(layers.values(), loads):
-            if rate > 0:
-                moe.expert_bias += rate * torch.sign(load.mean() - load).to(moe.expert_bias.dtype)
+            if self.cfg.bias_update_rate > 0:
+                moe.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load).to(moe.expert_bias.dtype)
             moe.tokens_per_expert.zero_()
             moe.balance_total.zero_()
-        ratio = (loads.max(dim=-1).values / mean.squeeze(-1).clamp(min=1)).tolist()
-        bias = [m.expert_bias.abs().max().item() for m in layers.values()]
-        self._metrics = {f"moe/load_max_over_mean/layer{name}": r for name, r in zip(layers, ratio)}
-        self._metrics.update({f"moe/bias_max_abs/layer{name}": b for name, b in zip(layers, bias)} if rate > 0 else {})
-        if self.cfg.balance_loss_coef > 0:
-            self._metrics["moe/balance_loss"] = balance.sum().item()
-        self._metrics["moe/dropped_tokens"] = 0.0  # dropless routing: never one
+        bias = torch.stack([m.expert_bias.abs().max() for m in layers.values()])
+        self._last_step = (list(layers), loads, bias, balance)  # read (a device sync) only when logged
 
     def metrics(self) -> dict[str, float]:
-        """The moe/ scalars of the last step (see docs/moe.md). Tags several pipeline stages
+        """The moe/ scalars of the last step (docs/moe.md). Tags several pipeline stages
         report (the balance loss, summed over layers; dropped tokens) add up."""
-        return dict(getattr(self, "_metrics", {}))
+        if getattr(self, "_last_step", None) is None:
+            return {}
+        names, loads, bias, balance = self._last_step
+        ratio = (loads.max(dim=-1).values / loads.mean(dim=-1).clamp(min=1)).tolist()
+        out = {f"moe/load_max_over_mean/layer{name}": r for name, r in zip(names, ratio)}
+        if self.cfg.bias_update_rate > 0:
+            out.update({f"moe/bias_max_abs/layer{name}": b for name, b in zip(names, bias.tolist())})
+        if self.cfg.balance_loss_coef > 0:
+            out["moe/balance_loss"] = balance.sum().item()
+        out["moe/dropped_tokens"] = 0.0  # dropless routing: never one
+        return out
 
     # ---- initialization: the same full weights whatever the layout ----
 
