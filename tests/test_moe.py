@@ -200,3 +200,33 @@ def test_planning_flavors_build_on_meta():
     assert sizes["qwen3_30b_a3b"] == pytest.approx(30.5e9, rel=0.01)      # published: 30.5B
     assert sizes["qwen3_235b_a22b"] == pytest.approx(235e9, rel=0.01)     # published: 235B
     assert sizes["deepseek_v3_671b"] == pytest.approx(671e9, rel=0.05)    # GQA, not MLA: a little more
+
+
+def test_a_pipeline_stage_counts_only_the_schedules_forwards(tmp_path):
+    """torch's pipeline stages run an extra forward on their first step to infer shapes
+    (parallel/pipeline.py `inferring_stage_metadata`): the loads and gradients of a
+    one-stage schedule over two micro-batches equal the plain model's over the batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshtrain.parallel.pipeline import build_schedule
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        piped, plain = small(), small()
+        tokens = tokens_for(batch=4)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        scale = 1.0 / labels.numel()
+        loss = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum") * scale
+        for model in (piped, plain):
+            model.set_loss_scale(scale)
+        loss(plain(inputs), labels).backward()
+        schedule = build_schedule("GPipe", [(0, piped)], init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))["pp"],
+                                  n_microbatches=2, n_stages=1, device=torch.device("cpu"), loss_fn=loss)
+        schedule.step(inputs, target=labels)
+    finally:
+        dist.destroy_process_group()
+    for (name, a), b in zip(piped.moe_layers().items(), plain.moe_layers().values()):
+        assert a.tokens_per_expert.tolist() == b.tokens_per_expert.tolist(), name
+    for name, p in piped.named_parameters():
+        torch.testing.assert_close(p.grad, plain.get_parameter(name).grad, msg=lambda m: f"{name}: {m}")

@@ -70,6 +70,15 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down projection
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        h = F.silu(grouped_linear(x_sorted, self.w1, tokens_per_expert)) * grouped_linear(
-            x_sorted, self.w3, tokens_per_expert)
-        return grouped_linear(h, self.w2, tokens_per_expert)
+        w1, w2, w3 = (local(w) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(grouped_linear(x_sorted, w1, tokens_per_expert)) * grouped_linear(x_sorted, w3, tokens_per_expert)
+        return grouped_linear(h, w2, tokens_per_expert)
+
+
+def local(weight: torch.Tensor) -> torch.Tensor:
+    """A weight replicated over tensor-parallel ranks is a DTensor (so that the optimizer,
+    clipping and checkpoints treat it like every other weight); the dispatch computes on
+    plain tensors, with this rank's copy. Its gradient comes back as the same DTensor's."""
+    from torch.distributed.tensor import DTensor
+
+    return weight.to_local() if isinstance(weight, DTensor) else weight

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.models.moe.config import MoEConfig
-from meshtrain.models.moe.experts import GroupedExperts
+from meshtrain.models.moe.experts import GroupedExperts, local
 
 
 class SwiGLU(nn.Module):
@@ -59,7 +59,7 @@ class Router(nn.Module):
         # At least fp32 whatever the compute dtype (bf16 under mixed precision): the choice
         # hinges on small gaps between scores.
         dtype = torch.promote_types(x.dtype, torch.float32)
-        logits = F.linear(x.to(dtype), self.gate.to(dtype))
+        logits = F.linear(x.to(dtype), local(self.gate).to(dtype))
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores + expert_bias, self.top_k, dim=-1).indices  # the bias picks, never weighs
         weights = scores.gather(-1, chosen)
@@ -150,8 +150,12 @@ class MoE(nn.Module):
 
 
 def _first_forward(x: torch.Tensor) -> bool:
-    """False while autograd's engine runs (a recomputation inside backward) and on fake
-    or meta tensors (shape inference, the dry run), whose values count for nothing."""
+    """False while autograd's engine runs (a recomputation inside backward), during a
+    pipeline stage's metadata inference (a forward before the schedule's own, on whatever
+    tensors), and on fake or meta tensors (the dry run): their values count for nothing."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return torch._C._current_graph_task_id() == -1 and not x.is_meta and not is_fake(x)
+    from meshtrain.parallel.pipeline import inferring_stage_metadata
+
+    return (torch._C._current_graph_task_id() == -1 and not inferring_stage_metadata()
+            and not x.is_meta and not is_fake(x))

@@ -90,12 +90,14 @@ class MoETransformer(nn.Module):
         return [("tok_embeddings.weight", "output.weight")] if self.cfg.tie_embeddings else []
 
     def tp_divisible(self) -> dict[str, int]:
-        """TP splits attention, the dense feed-forwards and the vocabulary; the experts are
-        replicated over tp (each tp rank routes the same tokens)."""
+        """TP splits attention, the dense and shared feed-forwards and the vocabulary; the
+        routed experts are replicated over tp (each tp rank routes the same tokens)."""
         c = self.cfg
         sizes = {"heads": c.n_heads, "kv heads": c.n_kv_heads, "vocab size": c.vocab_size}
         if c.n_dense_layers:
             sizes["FFN width"] = c.ffn_hidden
+        if c.n_shared_experts and c.n_dense_layers < c.n_layers:
+            sizes["shared experts' width"] = c.n_shared_experts * c.moe_hidden
         return sizes
 
     def active_parameters(self) -> int:
