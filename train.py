@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                     scalars = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps}
                     if peak:
                         scalars["mfu"] = 100 * tps * flops / peak
-                    metrics.log(n, {**scalars, **memory_stats(device)})
+                    metrics.log(n, {**scalars, **recipe.model_metrics(parts), **memory_stats(device)})
                 if validation is not None and validation.due(n, last=n == t.steps):
                     metrics.log(n, validation.run(n))  # forward only, on held-out data: training is untouched
                 if hf_export is not None and hf_export.due(n, last=n == t.steps):

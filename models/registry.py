@@ -13,6 +13,18 @@ What the model class must answer (models/llama/model.py is the example):
     max_seq_len, tie_embeddings), init_weights(seed, device), fsdp_units(),
     transformer_blocks(), tp_plan(sequence_parallel=, loss_parallel=), tp_divisible(),
     tied_weights(), and pipeline_stage(layer_ids, first=, last=) for pipelines.
+
+Optional -- the step calls them on each model part that has them (models/moe/model.py):
+    set_loss_scale(scale)       before a step's forwards: the factor summed token losses are
+                                multiplied by (training/step.py token_loss_scale); a model that
+                                adds a loss of its own from inside (a balance loss, injected in
+                                backward) weighs it by this, so it means the same in every layout
+    after_optimizer_step(sum_over)  after each optimizer step, on every rank: update state that
+                                is not a parameter (a routing bias) from what the step saw,
+                                summed over the data-parallel meshes in ``sum_over``
+    active_parameters() -> int  parameters one token uses, when fewer than all (MFU counts these)
+    metrics() -> {tag: value}   extra scalars to log on logged steps (after after_optimizer_step);
+                                a tag several pipeline stages report is summed over them
 """
 
 from __future__ import annotations
@@ -50,6 +62,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "meshtrain.models.llama.model:Llama", hf="meshtrain.models.llama.hf"),
     Family("gpt2", "GPT-2 / GPT-3 shapes (learned positions, tied embeddings)", "meshtrain.models.gpt2.config:GPT2Config",
            "meshtrain.models.gpt2.model:GPT2", learned_positions=True, high_precision=("lm_head",)),
+    Family("moe", "mixture of experts (DeepSeek-V3 / Qwen3-MoE shapes; Llama attention, routed + shared "
+           "experts)", "meshtrain.models.moe.config:MoEConfig", "meshtrain.models.moe.model:MoETransformer"),
     Family("hf", "any Hugging Face causal LM, built from [model] hf_config", "meshtrain.models.hf.config:HFConfig",
            "meshtrain.models.hf.model:HFModel", hf="meshtrain.models.hf.weights", high_precision=("lm_head",)),
 )}

@@ -19,6 +19,7 @@ first and last stage sit on rank 0.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 
 import torch
@@ -139,6 +140,39 @@ def build_schedule(name: str, parts: list[tuple[int, nn.Module]], pp_mesh: Devic
         raise LayoutError(f"pipeline schedule {name!r} is not in this torch ({torch.__version__})") from None
     group = pp_mesh.get_group()
     stages = [PipelineStage(module, index, n_stages, device, group=group) for index, module in parts]
+    for stage in stages:
+        _flag_metadata_inference(stage)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+# ---- torch's metadata inference, told apart from training
+
+_INFERRING = contextvars.ContextVar("meshtrain_pipeline_metadata_inference", default=False)
+
+
+def inferring_stage_metadata() -> bool:
+    """True while a pipeline stage runs torch's metadata inference: on a schedule's first
+    step, before its own micro-batches, each stage runs a real forward and backward -- of
+    the first micro-batch on the first stage, of uninitialized tensors of the right shape
+    on the others -- to learn the shapes it sends. A model that keeps statistics of what
+    it sees (a mixture of experts counting its experts' loads) leaves these out."""
+    return _INFERRING.get()
+
+
+def _flag_metadata_inference(stage) -> None:
+    """Run ``stage``'s metadata inference (torch's private methods, where this torch has
+    them) with `inferring_stage_metadata` true."""
+    for name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+        method = getattr(stage, name, None)
+        if method is None:
+            continue
+
+        def flagged(*args, _method=method, **kwargs):
+            token = _INFERRING.set(True)
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                _INFERRING.reset(token)
+        setattr(stage, name, flagged)

@@ -59,12 +59,14 @@ class Run:
 def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], *, lr: float,
           max_norm: float, weight_decay: float = 0.1, betas=(0.9, 0.999), eps: float = 1e-8,
           decay_all: bool = True, lr_at: Callable[[int], float] | None = None,
-          dtype: torch.dtype = torch.float32) -> Run:
+          dtype: torch.dtype = torch.float32, expert_bias_rate: float | None = None) -> Run:
     """Train ``model`` (modified in place, cast to ``dtype``) on ``steps``: each step a list
     of (inputs, labels) micro-batches of equal size that together make the global batch.
     ``decay_all``: one AdamW group for everything (else matrices and embeddings decay,
-    vectors do not). ``max_norm`` 0: no clipping."""
+    vectors do not). ``max_norm`` 0: no clipping. ``expert_bias_rate``: a mixture of
+    experts, balanced as `ExpertBalancing` says."""
     model.to(dtype)
+    balancing = ExpertBalancing(model, expert_bias_rate) if expert_bias_rate is not None else None
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": params, "weight_decay": weight_decay}] if decay_all else [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
@@ -74,6 +76,8 @@ def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]
     for step, micro_batches in enumerate(steps):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
+        if balancing is not None:
+            balancing.before_step(sum(labels.numel() for _, labels in micro_batches))
         for inputs, labels in micro_batches:
             logits = logits_of(model(inputs)).flatten(0, 1)
             loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten())
@@ -87,10 +91,44 @@ def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
         optimizer.step()
+        if balancing is not None:
+            balancing.after_step()
         run.losses.append(total)
         run.grad_norms.append(norm.item())
     run.final = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     return run
+
+
+class ExpertBalancing:
+    """The training loop's part in a mixture of experts, DeepSeek-V3's recipe written out:
+    the balance loss the model adds in backward is the mean over the step's sequences
+    (each MoE layer's ``loss_scale`` = 1 / the step's tokens: it sums per-token terms), and
+    after each optimizer step every layer's ``expert_bias`` moves by rate * sign(mean load
+    - load), the loads counted here from what its router chose during the step."""
+
+    def __init__(self, model: nn.Module, rate: float):
+        self.rate = rate
+        self.layers = [m for m in model.modules() if hasattr(m, "expert_bias")]
+        self.loads = {id(m): torch.zeros(m.expert_bias.numel()) for m in self.layers}
+        for m in self.layers:
+            m.router.register_forward_hook(self._count(m))
+
+    def _count(self, layer):
+        def hook(router, args, output):
+            chosen = output[1]  # (weights, chosen experts, scores)
+            self.loads[id(layer)] += torch.bincount(chosen.flatten(), minlength=len(self.loads[id(layer)]))
+        return hook
+
+    def before_step(self, tokens: int) -> None:
+        for m in self.layers:
+            m.loss_scale = 1.0 / tokens
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for m in self.layers:
+            load = self.loads[id(m)]
+            m.expert_bias += self.rate * torch.sign(load.mean() - load).to(m.expert_bias.dtype)
+            load.zero_()
 
 
 @dataclass
@@ -167,3 +205,45 @@ def assert_clipping_binds(oracle: Oracle, label: str) -> None:
     dev = deviations(oracle.unclipped.losses, oracle.unclipped.grad_norms, oracle.unclipped.final, oracle)
     assert dev["losses"] > 3 * K and dev["final"] > 10 * K, (
         f"{label}: clipping moves the reference only {dev} rounding scales; it must bind harder")
+
+
+# ---------------------------------------------------------------- a mixture of experts, one token at a time
+
+def moe_forward(x: torch.Tensor, *, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                bias: torch.Tensor, top_k: int, score_func: str, route_norm: bool, route_scale: float,
+                shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """A mixture-of-experts feed-forward written as its definition reads, a token and an
+    expert at a time: x [b, s, dim] -> (output [b, s, dim], each sequence's balance [b]).
+
+    For each token: scores over the experts (softmax, or a sigmoid each), the top_k of
+    scores + bias chosen (the bias only chooses), their scores as weights (divided by their
+    sum with route_norm, times route_scale), the output the weighted sum of the chosen
+    experts' SwiGLU (w2 [E, dim, h], w1/w3 [E, h, dim]) plus the shared SwiGLU (w1, w2, w3)
+    if any. Each sequence's balance is E * sum_e f_e P_e: f_e the share of its k * s choices
+    that went to e, P_e the mean over its tokens of e's score divided by the token's score sum."""
+    batch, seq, _ = x.shape
+    n_experts = gate.shape[0]
+    swiglu = lambda v, a, b, c: b @ (F.silu(a @ v) * (c @ v))
+    rows, balance = [], []
+    for i in range(batch):
+        picks, score_share, outs = [0] * n_experts, torch.zeros(n_experts, dtype=x.dtype), []
+        for t in range(seq):
+            v = x[i, t]
+            logits = gate @ v
+            scores = torch.softmax(logits.float(), dim=0) if score_func == "softmax" else torch.sigmoid(logits.float())
+            chosen = torch.argsort(scores + bias, descending=True)[:top_k].tolist()
+            weights = [scores[e] for e in chosen]
+            if route_norm:
+                total = sum(weights)
+                weights = [w / total for w in weights]
+            out = sum(w * route_scale * swiglu(v, w1[e], w2[e], w3[e]) for w, e in zip(weights, chosen))
+            if shared is not None:
+                out = out + swiglu(v, *shared)
+            outs.append(out)
+            for e in chosen:
+                picks[e] += 1
+            score_share = score_share + scores / scores.sum()
+        rows.append(torch.stack(outs))
+        f = torch.tensor(picks, dtype=x.dtype) / (seq * top_k)
+        balance.append(n_experts * (f * score_share / seq).sum())
+    return torch.stack(rows), torch.stack(balance)

@@ -52,7 +52,9 @@ def oracle_for(overrides: dict, init: dict, accum: int = 1) -> oracle.Oracle:
 
         vocab = parity.build(overrides).cfg.vocab_size
         steps = [[(c[:, :-1], c[:, 1:]) for c in tokens.chunk(accum)] for tokens in parity.batches(vocab)]
-        _oracles[key] = oracle.run_oracle(make, steps, with_unclipped=True, **oracle_settings())
+        moe = overrides.get("family") == "moe"  # the loop's share of balancing the experts
+        balancing = dict(expert_bias_rate=parity.build(overrides).cfg.bias_update_rate) if moe else {}
+        _oracles[key] = oracle.run_oracle(make, steps, with_unclipped=True, **oracle_settings(), **balancing)
     return _oracles[key]
 
 
@@ -129,20 +131,36 @@ FAULT_LAYOUT = "pp2_dp2"  # pipeline + data parallel + micro-batches + clipping 
 
 @pytest.fixture(scope="module")
 def faulty_runs(tmp_path_factory):
-    names = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS]
-    runs = train_layouts("tests/workers/parity.py", tmp_path_factory.mktemp("faults"), names,
+    names = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS] + list(parity.MOE_FAULTS)
+    assert all(_world(name.partition("+")[0]) == _world(FAULT_LAYOUT) for name in parity.MOE_FAULTS
+               if name.partition("+")[0] in parity.PP_LAYOUTS)  # one start-up: one world size
+    return train_layouts("tests/workers/parity.py", tmp_path_factory.mktemp("faults"), names,
                          nproc=_world(FAULT_LAYOUT))
-    return {name.partition("+")[2]: result for name, result in runs.items()}
 
 
 @pytest.mark.parametrize("fault", parity.FAULTS)
 def test_parity_check_catches_each_fault(faulty_runs, pp_runs, fault):
     """The same layout passes unbroken (test_pipeline_layout_matches_plain_pytorch) and
     fails with each fault a parallel trainer really has, injected one at a time."""
-    got = faulty_runs[fault]
+    got = faulty_runs[f"{FAULT_LAYOUT}+{fault}"]
     with pytest.raises(AssertionError, match="rounding scales from the plain-PyTorch reference"):
         assert_matches(got, {}, 1, f"{FAULT_LAYOUT}+{fault}")
     dev = oracle.deviations(got["losses"], got["grad_norms"], got["final"], oracle_for({}, got["init"]))
     print(f"\n{FAULT_LAYOUT}+{fault}: losses {dev['losses']:.0f}, grad norms {dev['grad_norms']:.0f}, "
           f"weights {dev['final']:.0f} rounding scales (K = {oracle.K})")
 
+
+
+@pytest.mark.parametrize("name", parity.MOE_FAULTS)
+def test_moe_parity_check_catches_each_fault(faulty_runs, name):
+    """A mixture of experts that misroutes one token, balances each rank by its own loads,
+    or weighs the balance loss by the micro-batch instead of the global batch fails the
+    check its unbroken layout passes."""
+    layout = name.partition("+")[0]
+    overrides = parity.LAYOUTS[layout][2] if layout in parity.LAYOUTS else parity.PP_LAYOUTS[layout][2]["model"]
+    got = faulty_runs[name]
+    with pytest.raises(AssertionError, match="rounding scales from the plain-PyTorch reference"):
+        assert_matches(got, overrides, 1, name)
+    dev = oracle.deviations(got["losses"], got["grad_norms"], got["final"], oracle_for(overrides, got["init"]))
+    print(f"\n{name}: losses {dev['losses']:.0f}, grad norms {dev['grad_norms']:.0f}, "
+          f"weights {dev['final']:.0f} rounding scales (K = {oracle.K})")

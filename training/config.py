@@ -86,6 +86,28 @@ class ModelSection:
 
 
 @dataclass
+class MoESection:
+    """[model] name = "moe": the mixture's settings over the flavor's (0, "" or -1: the flavor's)."""
+    n_experts: int = opt(0, 'name = "moe": routed experts per MoE layer; 0: the flavor\'s', min=0, max=65_536)
+    top_k: int = opt(0, 'name = "moe": experts each token is sent to (at most n_experts); 0: the flavor\'s',
+                     min=0, max=65_536)
+    score_func: str = opt("", 'name = "moe": router scores, softmax or sigmoid; "": the flavor\'s',
+                          choices=("", "softmax", "sigmoid"))
+    balance_loss_coef: float = opt(-1.0, 'name = "moe": weight of the sequence-wise load-balance loss (0: off); '
+                                   "-1: the flavor's", min=0, lt=math.inf, also=(-1.0,))
+    bias_update_rate: float = opt(-1.0, 'name = "moe": step of the loss-free balancing bias after each optimizer '
+                                  "step (0: off); -1: the flavor's", min=0, lt=math.inf, also=(-1.0,))
+
+    def overrides(self) -> dict:
+        """The settings given, as MoEConfig fields (those left at the flavor's omitted)."""
+        given = {"n_experts": self.n_experts or None, "top_k": self.top_k or None,
+                 "score_func": self.score_func or None,
+                 "balance_loss_coef": None if self.balance_loss_coef == -1 else self.balance_loss_coef,
+                 "bias_update_rate": None if self.bias_update_rate == -1 else self.bias_update_rate}
+        return {key: value for key, value in given.items() if value is not None}
+
+
+@dataclass
 class TrainingSection:
     steps: int = opt(20, "optimizer steps to run", min=1,
                      max=10**12)  # far past any run; the schedule's arithmetic is float
@@ -279,6 +301,7 @@ class CommSection:
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
+    moe: MoESection = field(default_factory=MoESection)
     training: TrainingSection = field(default_factory=TrainingSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)

@@ -171,6 +171,8 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         raise ConfigError(f'{where} is not a {m.name} flavor ([model] name = "{m.name}"). '
                           f"Accepted values: {', '.join(flavors)}.")
 
+    _check_moe(cfg, sources)
+
     t = cfg.training
     if t.local_batch_size and t.global_batch_size % t.local_batch_size:
         where = _where("training", "local_batch_size", t.local_batch_size,
@@ -240,6 +242,31 @@ def _check_export_hf(cfg: JobConfig, sources) -> None:
     if importlib.util.find_spec("safetensors") is None:
         raise ConfigError(f'{where} writes safetensors, which is not installed: pip install "meshtrain[hf]" '
                           "(or pip install safetensors)")
+
+
+def _check_moe(cfg: JobConfig, sources) -> None:
+    """[moe]: only for [model] name = "moe", and a mixture that can work (top_k at most
+    n_experts, ...), judged on the flavor with these settings applied (torch-free)."""
+    given = cfg.moe.overrides()
+    if not given:
+        return
+    key = next(iter(given))
+    if cfg.model.name != "moe":
+        where = _where("moe", key, getattr(cfg.moe, key), sources.get(("moe", key)))
+        raise ConfigError(f'{where} is for [model] name = "moe" (a mixture of experts); name is '
+                          f'"{cfg.model.name}". Remove the [moe] settings or use name = "moe"')
+    from meshtrain.models.moe.config import moe_problems
+
+    flavor = registry.get("moe").flavors[cfg.model.flavor]
+    shape = dataclasses.replace(flavor, n_layers=cfg.model.n_layers or flavor.n_layers)
+    shape.__dict__.update(given)  # checked below, not by __post_init__: the message names the [moe] key
+    for key, problem in moe_problems(shape):
+        if key in given:
+            where = _where("moe", key, getattr(cfg.moe, key), sources.get(("moe", key)))
+        else:  # a [moe] setting against the flavor's own value (n_experts below the flavor's top_k)
+            settings = ", ".join(f"{k} = {_toml_value(getattr(cfg.moe, k))}" for k in given)
+            where = f'[moe] {settings} with [model] flavor = "{cfg.model.flavor}" (its {key} = {getattr(shape, key)})'
+        raise ConfigError(f"{where}: {problem}")
 
 
 def _check_hf_model(m, sources) -> None:

@@ -21,8 +21,12 @@ from meshtrain.training.trackers import open_tracker, resolve_trackers
 
 def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """`flops_per_token` of a whole model (on meta is fine): its embedding tables are
-    lookups, except one tied to the output layer, which is also that matmul."""
+    lookups, except one tied to the output layer, which is also that matmul. A model whose
+    tokens each use only some of its weights (a mixture of experts) says how many through
+    its optional ``active_parameters()``: MFU counts those."""
     n = sum(p.numel() for p in model.parameters())  # a tied weight once
+    if callable(getattr(model, "active_parameters", None)):
+        n = model.active_parameters()
     lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     lookups -= sum(model.get_parameter(names[0]).numel() for names in model.tied_weights())
     return flops_per_token(n, lookups, model.cfg.n_layers, model.cfg.dim, seq_len)
@@ -143,6 +147,12 @@ _CONSOLE = {
 _TENSORBOARD_ONLY = {"rss_gib", "reserved_gib", "valley_gib"}
 
 
+def _per_layer(key: str) -> bool:
+    """A tag in a folder of its own, one per layer (moe/load_max_over_mean/layer3): too many
+    for the console line, TensorBoard only."""
+    return key.count("/") >= 2
+
+
 def _format(key: str, value: float) -> str:
     if key in _CONSOLE:
         label, fmt = _CONSOLE[key]
@@ -207,7 +217,7 @@ class MetricsLogger:
         if self.rank != 0:
             return
         scalars = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-        shown = [_format(k, v) for k, v in scalars.items() if k not in _TENSORBOARD_ONLY]
+        shown = [_format(k, v) for k, v in scalars.items() if k not in _TENSORBOARD_ONLY and not _per_layer(k)]
         print(" | ".join([f"step {step:>4d}", *shown]), flush=True)
         for tracker in self._trackers():
             tracker.log(step, scalars)

@@ -65,6 +65,8 @@ def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     overrides = {"vocab_size": vocab, "norm_eps": m.norm_eps}
     if m.n_layers:
         overrides["n_layers"] = m.n_layers
+    if m.name == "moe":
+        overrides.update(cfg.moe.overrides())
     if not family.learned_positions:  # positions are computed (rotary): size them for this run
         overrides["max_seq_len"] = seq_len
     model = family.model_class().from_flavor(m.flavor, meta=True, **overrides)
@@ -317,6 +319,28 @@ def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Opti
                                    pp_mesh=pp_mesh, cp_mesh=cp_mesh, device=device, step=number,
                                    skip_nonfinite=True, tied=tied)
     return step
+
+
+def model_metrics(run: Parts) -> dict[str, float]:
+    """The scalars the model reports of its last step (its optional ``metrics()``, e.g. a
+    mixture of experts' loads), from every pipeline stage: a tag several stages report is
+    summed. Every rank calls it on the same steps (a collective under a pipeline)."""
+    import torch.distributed as dist
+
+    def merged(dicts) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for d in dicts:
+            for tag, value in d.items():
+                out[tag] = out.get(tag, 0.0) + value
+        return out
+
+    mine = merged(part.metrics() for part in run.modules if callable(getattr(part, "metrics", None)))
+    pp_mesh = submesh(run.mesh, "pp")
+    if pp_mesh is None or not hasattr(run.model, "metrics"):  # the same answer on every rank: no hang
+        return mine
+    everyone = [None] * pp_mesh.size()
+    dist.all_gather_object(everyone, mine, group=pp_mesh.get_group())
+    return merged(everyone)
 
 
 def holds_ends(layout: ParallelDims, run: Parts) -> tuple[bool, bool]:

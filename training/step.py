@@ -140,6 +140,7 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                for inputs, labels, positions in map(unpack, micro_batches)]
     with step_phase(step, "token count"):
         scale = token_loss_scale([labels for _, labels, _ in batches], dp_mesh, cp_mesh)
+    call_hook([model], "set_loss_scale", scale)
     with step_phase(step, "forward/backward"):
         for i, (inputs, labels, kwargs) in enumerate(batches):
             where.micro_batch = i  # for the hang report
@@ -147,8 +148,7 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                 loss = summed_cross_entropy(model(inputs, **kwargs), labels) * scale
                 loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-    return _finish_step(list(model.parameters()), optimizer, total, max_norm, dp_mesh, None, step,
-                        skip_nonfinite, cp_mesh=cp_mesh)
+    return _finish_step([model], optimizer, total, max_norm, dp_mesh, None, step, skip_nonfinite, cp_mesh=cp_mesh)
 
 
 def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, first: bool, last: bool,
@@ -176,6 +176,7 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
         with step_phase(step, "token count"):
             labels = [split_sequence(unpack(b)[1], split).to(device) for b in micro_batches]  # NCCL: on device
             loss_fn.scale = token_loss_scale(labels, dp_mesh, cp_mesh)
+        call_hook(model_parts, "set_loss_scale", loss_fn.scale)
     with step_phase(step, "pipeline forward/backward"):
         for i, (inputs, labels, positions) in enumerate(map(unpack, micro_batches)):
             where.micro_batch = i  # for the hang report
@@ -192,24 +193,38 @@ def pipeline_train_step(schedule, model_parts, optimizer, micro_batches, *, firs
     if tied is not None:
         with step_phase(step, "tied-weight gradient sum"):
             tied.sum_gradients()
-    params = [p for part in model_parts for p in part.parameters()]
-    return _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite,
+    return _finish_step(model_parts, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite,
                         not_in_norm=tied.duplicates if tied is not None else (), cp_mesh=cp_mesh)
 
 
-def _finish_step(params, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite, not_in_norm=(),
+def _finish_step(parts, optimizer, total, max_norm, dp_mesh, pp_mesh, step, skip_nonfinite, not_in_norm=(),
                  cp_mesh=None):
-    """Clip, update (unless skipping a non-finite step), and share the loss for reporting."""
+    """Clip, update (unless skipping a non-finite step), let the model update what is not a
+    parameter, and share the loss for reporting."""
+    params = [p for part in parts for p in part.parameters()]
     with step_phase(step, "gradient clipping"):
         grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh, not_in_norm=not_in_norm)
-    if skip_nonfinite and not torch.isfinite(grad_norm):
+    skip = skip_nonfinite and not torch.isfinite(grad_norm)
+    if skip:
         optimizer.zero_grad(set_to_none=True)
-    else:
-        with step_phase(step, "optimizer step"):
+    with step_phase(step, "optimizer step"):
+        if not skip:
             optimizer.step()
+        # Also after a skipped step: what the model observed (expert loads) was real.
+        call_hook(parts, "after_optimizer_step", sum_over=(dp_mesh, cp_mesh))
     with step_phase(step, "loss reporting"):  # reporting only: FSDP already averaged the gradients
         loss = global_token_mean(total, dp_mesh, pp_mesh, cp_mesh)
     return loss, grad_norm.item()
+
+
+def call_hook(parts, name: str, *args, **kwargs) -> None:
+    """``part.name(*args, **kwargs)`` on each model part that defines it: the optional calls
+    of the model contract (models/registry.py), e.g. a mixture of experts' balance-loss
+    scale and routing-bias update. A model without them is trained exactly as before."""
+    for part in parts:
+        hook = getattr(part, name, None)
+        if callable(hook):
+            hook(*args, **kwargs)
 
 
 def global_token_mean(total: torch.Tensor, dp_mesh: DeviceMesh | None = None, pp_mesh: DeviceMesh | None = None,

@@ -17,6 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.models.gpt2 import GPT2
 from meshtrain.models.llama import Llama
+from meshtrain.models.moe import MoETransformer
+from meshtrain.models.moe.experts import GroupedExperts
 from meshtrain.parallel import ParallelDims, parallelize, shutdown_distributed, submesh
 from meshtrain.training.optim import Optimizers, Schedulers
 from meshtrain.training.step import train_step
@@ -45,6 +47,11 @@ LAYOUTS = {
     "gpt2_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="gpt2")),
     "gpt2_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="gpt2")),
     "gpt2_tp4": (dict(tp=4, dp_shard=1), "FULL_SHARD", dict(family="gpt2")),
+    # A mixture of experts (softmax scores, shared expert, dense first block, the balance
+    # loss and the loss-free bias on): experts replicated over tp, loads summed over dp.
+    "moe_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe")),
+    "moe_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="moe")),
+    "moe_sigmoid_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe", score_func="sigmoid", route_scale=2.5)),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -69,16 +76,18 @@ PP_LAYOUTS = {
     "tied_pp2": (dict(pp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(tie_embeddings=True))),
     "gpt2_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(family="gpt2"))),
     "gpt2_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="gpt2"))),
+    "moe_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(family="moe"))),
+    "moe_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="moe"))),
     "gpt2_pp2_zbv": (dict(pp=2, dp_shard=1), "ZBVZeroBubble", dict(per_rank=2, micro=4,
                                                                     model=dict(family="gpt2"))),
 }
 
 
 def build(overrides: dict, meta: bool = True):
-    """The debug model (on meta unless ``meta=False``): GPT-2 when overrides say
-    family="gpt2", else Llama."""
+    """The debug model (on meta unless ``meta=False``): GPT-2 or the mixture of experts when
+    overrides say family="gpt2" or "moe", else Llama."""
     overrides = dict(overrides)
-    family = GPT2 if overrides.pop("family", "llama") == "gpt2" else Llama
+    family = {"llama": Llama, "gpt2": GPT2, "moe": MoETransformer}[overrides.pop("family", "llama")]
     return family.from_flavor("debug", meta=meta, **overrides)
 
 
@@ -184,6 +193,8 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
 # ---------------------------------------------------------------- faults a parallel trainer really has
 
 FAULTS = ("no_clip", "loss_not_divided", "grads_summed", "stage_left_out_of_norm", "lr_off_by_one")
+# A mixture of experts' own faults, each on a layout it shows in (run in the same start-up).
+MOE_FAULTS = ("moe_fsdp4+misrouted_token", "moe_fsdp4+loads_not_summed", "moe_pp2_dp2+balance_loss_unscaled")
 
 
 @contextlib.contextmanager
@@ -193,6 +204,7 @@ def injected(fault: str | None, dims: dict):
     import meshtrain.training.step as step
 
     clip, loss_fn, schedule = step.clip_grad_norm_, step.pipeline_loss_fn, globals()["optimizer_and_schedule"]
+    moe_methods = (GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale)
     if fault == "no_clip":  # the norm is still computed and reported; nothing is scaled
         step.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, 0.0, **kw)
     elif fault == "stage_left_out_of_norm":  # each pipeline stage clips by its own norm
@@ -215,6 +227,19 @@ def injected(fault: str | None, dims: dict):
             scheduler.step()
             return optimizer, scheduler
         globals()["optimizer_and_schedule"] = ahead
+    elif fault == "misrouted_token":  # dispatch sends two token copies to each other's expert
+        forward = GroupedExperts.forward
+
+        def swapped(self, x_sorted, tokens_per_expert):
+            x_sorted = x_sorted.clone()
+            x_sorted[[0, -1]] = x_sorted[[-1, 0]]
+            return forward(self, x_sorted, tokens_per_expert)
+        GroupedExperts.forward = swapped
+    elif fault == "loads_not_summed":  # each rank moves its bias by its own tokens' loads only
+        update = MoETransformer.after_optimizer_step
+        MoETransformer.after_optimizer_step = lambda self, sum_over=(): update(self, sum_over=())
+    elif fault == "balance_loss_unscaled":  # the step never tells the model its loss scale
+        MoETransformer.set_loss_scale = lambda self, scale: None
     elif fault is not None:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     try:
@@ -222,6 +247,7 @@ def injected(fault: str | None, dims: dict):
     finally:
         step.clip_grad_norm_, step.pipeline_loss_fn = clip, loss_fn
         globals()["optimizer_and_schedule"] = schedule
+        GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale = moe_methods
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""The experts of one MoE layer, forward + backward, three ways (models/moe/experts.py):
+
+- loop:    one matmul per expert over its contiguous slice of the sorted tokens (the
+           fallback `looped_linear`);
+- grouped: `torch._grouped_mm` with the group ends as offsets (on CUDA in bfloat16: the
+           path the model takes; torch 2.13's CPU build also runs it, in float32);
+- padded:  every expert's tokens padded to the largest group, one batched matmul.
+
+    python -m bench.moe_grouped_mm                        # CPU, float32
+    python -m bench.moe_grouped_mm --device cuda --dtype bfloat16
+
+Routing is drawn from a skewed distribution (expert e gets weight 1 / (e + 1)), the
+imbalance real routers show early in training, so the padded path pays for its padding.
+Median milliseconds after warm-up, one row per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.models.moe.experts import looped_linear
+
+# (tokens, dim, expert hidden, experts, top_k): the debug flavor's layer, then wider ones with
+# more experts. (A Qwen3-30B-A3B layer, 128 experts of 768 at dim 2048, runs for minutes per
+# path on one CPU core: measure it on a GPU.)
+SHAPES = [(4096, 64, 64, 8, 2), (4096, 512, 256, 16, 2), (2048, 1024, 512, 64, 6)]
+
+
+def grouped_linear_mm(x, w, counts):
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+
+
+def padded_linear(x, w, counts):
+    """Pad each group to the largest, one bmm, drop the padding."""
+    longest = int(counts.max())
+    rows = torch.arange(longest, device=x.device)
+    starts = torch.cumsum(counts, 0) - counts
+    mask = rows[None, :] < counts[:, None]                     # [E, longest]
+    index = (starts[:, None] + rows[None, :]).clamp(max=len(x) - 1)
+    padded = x[index] * mask[..., None]                         # [E, longest, in]
+    return torch.bmm(padded, w.transpose(-2, -1))[mask]         # back to [T, out], expert order
+
+
+def experts(linear, x, w1, w2, w3, counts):
+    return linear(F.silu(linear(x, w1, counts)) * linear(x, w3, counts), w2, counts)
+
+
+def timed(fn, device, repeats):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    paths = {"loop": looped_linear, "grouped": grouped_linear_mm, "padded": padded_linear}
+    print(f"{'tokens x k':>11s} {'dim':>5s} {'hidden':>6s} {'E':>4s} {'max/mean':>8s}  "
+          + "  ".join(f"{name + ' ms':>10s}" for name in paths))
+    for tokens, dim, hidden, n_experts, k in SHAPES:
+        weights = 1.0 / torch.arange(1, n_experts + 1)
+        chosen = torch.multinomial(weights.expand(tokens, -1), k, generator=g)
+        counts = torch.bincount(chosen.flatten(), minlength=n_experts).to(device)
+        x = torch.randn(tokens * k, dim, generator=g).to(device, dtype).requires_grad_()
+        w1, w3 = (torch.randn(n_experts, hidden, dim, generator=g).mul(0.02).to(device, dtype).requires_grad_()
+                  for _ in range(2))
+        w2 = torch.randn(n_experts, dim, hidden, generator=g).mul(0.02).to(device, dtype).requires_grad_()
+        upstream = torch.randn(tokens * k, dim, generator=g).to(device, dtype)
+        row = []
+        for name, linear in paths.items():
+            def step():
+                (experts(linear, x, w1, w2, w3, counts) * upstream).sum().backward()
+            try:
+                row.append(f"{timed(step, device, args.repeats) * 1e3:10.1f}")
+            except RuntimeError as err:  # a path this device or dtype has no kernel for
+                row.append(f"{'n/a':>10s}")
+                print(f"  {name}: {str(err).splitlines()[0]}")
+        skew = counts.max().item() / counts.float().mean().item()
+        print(f"{tokens:>6d} x {k:<2d} {dim:5d} {hidden:6d} {n_experts:4d} {skew:8.2f}  " + "  ".join(row))
+
+
+if __name__ == "__main__":
+    main()
