@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint.close()
         shutdown_distributed()
         return
-    if start_step == 0 and cfg.checkpoint.initial_load_hf:
-        recipe.load_hf_weights(cfg, parts)
+    if start_step == 0:
+        recipe.load_initial_weights(cfg, parts)              # [checkpoint] initial_load_hf, [lora] initial_load_adapter
     step = recipe.build_step(cfg, layout, parts, optimizer, device)
     if start_step == 0 and dist.get_rank() == 0:
         set_aside_earlier_run(run_dir / "tb")                # a new run gets its own TensorBoard curve

@@ -29,6 +29,7 @@ from meshtrain.models.hf.config import HFConfig, HFModelError, config_path, read
 from meshtrain.models.hf.config_checks import config_problem, file_problem
 from meshtrain.models.hf.tp_styles import STYLES, refusal, translate
 from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
+from meshtrain.parallel.lora import init_adapters_
 from meshtrain.parallel.mesh import LayoutError
 
 def transformers_or_explain():
@@ -310,6 +311,7 @@ class HFModel:
             shadow = copy.deepcopy(shadow)
             shadow.weight = nn.Parameter(torch.empty(param.shape, device=_local(param).device))
             self._init_module(shadow, source, [("weight", shadow.weight)], seed, into={"weight": param})
+        init_adapters_(self, seed)  # LoRA's own init (PEFT's), where [lora] added adapters
 
     @torch.no_grad()
     def init_buffers(self) -> None:
