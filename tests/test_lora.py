@@ -299,3 +299,151 @@ def test_adapters_follow_their_base_layer_under_tp(sp):
         assert got["placements"]["mlp.up.lora_B.default.weight"] == "(Shard(dim=0),)"
         assert got["placements"]["mlp.down.lora_A.default.weight"] == "(Shard(dim=1),)"
         assert "mlp.up.lora_A.default.weight" not in got["placements"]  # replicated: a plain tensor
+
+
+# ---------------------------------------------------------------- every layout, one torchrun start-up
+
+LAYOUTS = {
+    "fsdp4": ["--parallelism.dp_shard=4", "--parallelism.tp=1"],
+    "dp2_tp2": ["--parallelism.dp_shard=2", "--parallelism.tp=2"],
+    "pp2_dp2": ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=1"],
+}
+# Constant lr (AdamW's own, no schedule to reimplement); clipping at 0.5 binds.
+TRAIN = ["--training.steps=4", "--training.seq_len=32", "--training.global_batch_size=8", "--training.max_norm=0.5",
+         "--optimizer.lr=1e-2", "--lr_scheduler.warmup_steps=0", "--lr_scheduler.decay_type=constant"]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    from tests.conftest import torchrun
+
+    root = tmp_path_factory.mktemp("lora_layouts")
+    base, adapter = make_folders(root)
+    runs = {name: lora_argv(base, adapter, *TRAIN, *flags, f"--job.output_dir={root / 'out'}", f"--job.name={name}")
+            for name, flags in LAYOUTS.items()}
+    (root / "runs.json").write_text(json.dumps(runs))
+    proc = torchrun("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return root, runs, {name: torch.load(root / f"{name}.pt") for name in runs}
+
+
+def peft_training(argv) -> dict:
+    """PEFT on transformers' Qwen2, in this process, with torch's AdamW and clipping: the
+    losses, gradient norms, last step's (clipped) gradients and final weights, by our names."""
+    from meshtrain.training.config_loader import parse_args
+    from meshtrain.training.data import build_dataloader
+
+    cfg, _ = parse_args(argv)
+    t, o = cfg.training, cfg.optimizer
+    model = peft_model(cfg.checkpoint.initial_load_hf, cfg.lora.initial_load_adapter)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    data, _ = build_dataloader(t, dp_rank=0, dp_size=1)
+    result = {"losses": [], "grad_norms": []}
+    for step in range(t.steps):
+        optimizer.zero_grad(set_to_none=True)
+        batches = data.batch(step)
+        total = 0.0
+        for x, y in batches:
+            loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()) / len(batches)
+            loss.backward()
+            total += loss.item()
+        result["grad_norms"].append(torch.nn.utils.clip_grad_norm_(params, t.max_norm).item())
+        result["losses"].append(total)
+        optimizer.step()
+    named = list(model.named_parameters())
+    result["grads"] = {our_name(n): p.grad.clone() for n, p in named if p.grad is not None}
+    result["final"] = {our_name(n): p.detach().clone() for n, p in named}
+    return result
+
+
+@pytest.fixture(scope="module")
+def peft_reference(layout_runs):
+    _, runs, _ = layout_runs
+    return peft_training(runs["fsdp4"])  # one process: the layout flags do not matter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_training_equals_peft_in_every_layout(layout_runs, peft_reference, layout):
+    """FSDP 4, dp 2 x tp 2 (adapters split with their base layers), pp 2 x dp 2 (1F1B, tied
+    embeddings on two stages): four AdamW steps with binding clipping from the same base and
+    PEFT adapter folders give PEFT's losses, gradient norms, last-step adapter gradients and
+    final adapter weights; every base weight ends bitwise as transformers saved it.
+    Plants (run by hand): parallel/lora.py's scaling rank/alpha; B of a colwise base split
+    by input columns; apply_lora leaving the base trainable. Each fails this test."""
+    from safetensors.torch import load_file
+
+    root, _, results = layout_runs
+    got, want = results[layout], peft_reference
+    for ours, theirs in zip(got["losses"], want["losses"]):
+        assert abs(ours - theirs) <= 1e-5 * theirs, (layout, got["losses"], want["losses"])
+    assert want["grad_norms"][0] > 0.5  # clipping binds
+    for ours, theirs in zip(got["grad_norms"], want["grad_norms"]):
+        assert abs(ours - theirs) <= 1e-4 * theirs, (layout, got["grad_norms"], want["grad_norms"])
+    assert set(got["grads"]) == set(want["grads"])  # the adapters, and nothing else
+    for name, g in want["grads"].items():
+        assert torch.allclose(got["grads"][name], g, rtol=1e-4, atol=1e-4 * g.abs().max()), (layout, name)
+    saved = load_file(root / "base" / "model.safetensors")
+    for name, w in want["final"].items():
+        if ".lora_" in name:
+            assert torch.allclose(got["final"][name], w, rtol=1e-4, atol=1e-5), (layout, name)
+        elif name in saved:  # the tied output layer is saved once, as the embedding
+            assert torch.equal(got["final"][name], saved[name]), (layout, name)
+
+
+# ---------------------------------------------------------------- checkpoints and export
+
+
+@pytest.mark.slow
+def test_a_resumed_lora_run_is_the_uninterrupted_one_and_exports_as_peft_and_merged(tmp_path):
+    """train.py, one process: 4 steps straight vs 2 steps, stop, resume, 2 more -- the
+    checkpoints of step 4 are bitwise equal (adapters, their AdamW state, the frozen base),
+    and only the adapters have optimizer state. `export --format peft` gives a folder
+    PeftModel.from_pretrained loads, and `--format hf --merge-lora` one from_pretrained
+    loads; both give the logits of meshtrain's model with the checkpoint's weights.
+    Plants (run by hand): save_peft writing B as A's transpose's place (lora_A/lora_B swapped
+    names); merged_tensors with scaling 1. Each fails this test."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.parallel.init import canonical_name
+    from meshtrain.training.export import export, model_tensors
+    from tests.conftest import torchrun
+
+    base, adapter = make_folders(tmp_path)
+    argv = lambda name, steps: lora_argv(base, adapter, *TRAIN, "--parallelism.dp_shard=1", "--parallelism.tp=1",
+                                         "--checkpoint.enable=true", "--checkpoint.interval=2",
+                                         f"--training.steps={steps}", f"--job.output_dir={tmp_path / 'out'}",
+                                         f"--job.name={name}")
+    for name, steps in (("whole", 4), ("resumed", 2), ("resumed", 4)):
+        proc = torchrun("train.py", *argv(name, steps), nproc=1)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    step4 = lambda name: tmp_path / "out" / name / "checkpoint" / "step-00000004"
+    whole, resumed = dict(model_tensors(step4("whole"))), dict(model_tensors(step4("resumed")))
+    assert set(whole) == set(resumed)
+    for name in whole:
+        assert torch.equal(whole[name], resumed[name]), name
+    keys = FileSystemReader(str(step4("whole"))).read_metadata().state_dict_metadata
+    optimizer = [k for k in keys if k.startswith("optimizer.")]
+    assert optimizer and all(".lora_" in k for k in optimizer)
+    saved = load_file(base / "model.safetensors")
+    assert all(torch.equal(whole[n], saved[n]) for n in saved)  # the base, untouched
+
+    export(step4("whole"), tmp_path / "peft", "peft")
+    export(step4("whole"), tmp_path / "merged", "hf", merge_lora=True)
+    _, ours = one_process_model(lora_argv(base, adapter))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(whole[canonical_name(name)])
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    want = ours(tokens)
+    assert not torch.allclose(want, peft_model(base, adapter)(input_ids=tokens).logits, atol=1e-3)  # it trained
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "peft")
+    assert torch.allclose(loaded(input_ids=tokens).logits, want, rtol=1e-5, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(merged(input_ids=tokens).logits, want, rtol=1e-4, atol=1e-4)
