@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                             purge_step=start_step + 1 if start_step else None, run_name=cfg.job.name)
     profiler = Profiler(cfg.profiling, run_dir, dist.get_rank(), device)  # [profiling]'s window, if enabled
     peak, tokens_per_step = device_peak_flops(device), t.global_batch_size * t.seq_len
-    announce(n_params, layout, layout.grad_accum(t.global_batch_size), mesh, start_step, run_dir)
+    announce(n_params, layout, layout.grad_accum(t.global_batch_size), mesh, start_step, run_dir,
+             trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
 
     stop, skipped, stopping, began = GracefulStop(), 0, None, time.perf_counter()
     try:

@@ -28,7 +28,7 @@ from meshtrain.parallel import LayoutError, ParallelDims, mixed_precision_policy
 from meshtrain.parallel.async_tp import async_tp_unavailable
 from meshtrain.parallel.context_parallel import check_cp_fits
 from meshtrain.parallel.float8 import apply_float8, float8_unavailable
-from meshtrain.parallel.lora import LoraError, lora_tp_plan
+from meshtrain.parallel.lora import LoraError, is_adapter, lora_tp_plan
 from meshtrain.parallel.fsdp import check_strategy
 from meshtrain.parallel.pipeline import build_schedule, check_pipeline, split_into_stages
 from meshtrain.parallel.tensor_parallel import check_tp_plan
@@ -304,7 +304,12 @@ def build_parts(cfg: JobConfig, layout: ParallelDims, mesh, model: nn.Module) ->
     pp_mesh = submesh(mesh, "pp")
     parts = [(0, model)] if pp_mesh is None else split_into_stages(model, pp_mesh, layout.stage_layers,
                                                                    style=layout.placement)
-    return Parts(mesh, [(i, parallelize_part(part, mesh, cfg, layout)) for i, part in parts], model)
+    run = Parts(mesh, [(i, parallelize_part(part, mesh, cfg, layout)) for i, part in parts], model)
+    if cfg.lora.enable:  # a weight copied for a stage, or made by a wrapper, must stay frozen
+        stray = [n for part in run.modules for n, p in part.named_parameters() if p.requires_grad and not is_adapter(n)]
+        if stray:
+            raise RuntimeError(f"[lora]: base weights left trainable after parallelizing: {stray[:3]}")
+    return run
 
 
 def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: ParallelDims) -> nn.Module:

@@ -288,7 +288,8 @@ class HFModel:
             # (meta) copy of the embedding module under its name. See init_weights.
             source = f"{self._mt_base}.{self._mt_embed}"
             stage._mt_tied_sources = {f"{HEAD}.weight": (source, copy.deepcopy(self.get_submodule(source)))}
-            stage._head().weight = nn.Parameter(torch.empty_like(self._head().weight))
+            tied = self._head().weight  # its own copy now, frozen if the weight is (a LoRA run's base)
+            stage._head().weight = nn.Parameter(torch.empty_like(tied), requires_grad=tied.requires_grad)
         stage._mt_first, stage._mt_last = first, last
         return stage
 
