@@ -39,7 +39,7 @@ def changed(section) -> object:
         elif f.type is int:
             new[f.name] = 3 if v in meta.get("also", ()) else v + 1
         elif f.type is float:
-            new[f.name] = v / 2
+            new[f.name] = v / 2 if v else 0.5
         elif f.type == list[int]:
             new[f.name] = v + [3, 7]
         elif f.type == list[str]:
@@ -63,7 +63,7 @@ def test_every_section_round_trips_through_toml(tmp_path):
     cfg.model.name, cfg.model.hf_config = "hf", str(ROOT / "configs" / "hf" / "qwen2-tiny")
     # [validation] split (held-out training data) and dataset (a corpus of its own) exclude
     # each other: the dataset round-trips here, split in test_validation.py.
-    cfg.validation.dataset = "text"
+    cfg.validation.dataset, cfg.validation.split = "text", 0.0
     validate(cfg)
     for name in SECTIONS:  # every field is off its default, unless it has only one choice
         for f in dataclasses.fields(getattr(cfg, name)):

@@ -190,9 +190,6 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         raise ConfigError(f"{where} is after the last step ([training] steps = {t.steps}): nothing would be "
                           f"profiled. Use a start_step from 1 to {t.steps}")
     lo = cfg.lora
-    if lo.enable and cfg.float8.enable:
-        raise ConfigError(f"{_where('lora', 'enable', True, sources.get(('lora', 'enable')))} with [float8] "
-                          "enable = true: float8 would cast the adapters' small matrices too; use one or the other")
     if lo.initial_load_adapter and not lo.enable:
         where = _where("lora", "initial_load_adapter", lo.initial_load_adapter,
                        sources.get(("lora", "initial_load_adapter")))

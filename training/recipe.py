@@ -67,6 +67,9 @@ def add_lora(cfg: JobConfig, model: nn.Module) -> None:
     from meshtrain.parallel.lora import LoraError, apply_lora, lora_targets
 
     lo, family = cfg.lora, registry.get(cfg.model.name)
+    if cfg.float8.enable:
+        raise ConfigError("[lora] enable = true with [float8] enable = true: float8 would cast the adapters' "
+                          "small matrices too; use one or the other")
     where = f"[lora] target_modules = {json.dumps(lo.target_modules)}"
     try:
         paths = lora_targets(model, lo.target_modules, exclude=family.high_precision)
