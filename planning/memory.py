@@ -125,7 +125,7 @@ def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
     """Peak bytes per GPU on the worst pipeline rank (the one with the largest total).
     Activations come from a traced probe of two blocks (planning/activations.py) where the
     family can build one; otherwise from the formulas above."""
-    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac)
+    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora)
     worst = None
     for r, share in enumerate(rank_shares(job, lay)):
         if prof is not None:

@@ -447,3 +447,36 @@ def test_a_resumed_lora_run_is_the_uninterrupted_one_and_exports_as_peft_and_mer
     assert torch.allclose(loaded(input_ids=tokens).logits, want, rtol=1e-5, atol=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert torch.allclose(merged(input_ids=tokens).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_tp_leaves_the_base_frozen_and_splits_llamas_adapters_with_their_layers(fake_world):
+    """Llama under dp 2 x tp 2 with sequence parallelism (a fake process group): no style
+    unfreezes a base weight (SequenceParallel makes the norms new Parameters), and each
+    adapter takes its base layer's split: wq/w1 B by output rows, wo/w2 A by input columns,
+    their other matrix whole."""
+    from torch.distributed.tensor import DTensor
+
+    from meshtrain.training import recipe
+    from meshtrain.training.config_loader import load_config
+
+    fake_world(4)
+    cfg = load_config("debug_2d", ["--lora.enable=true"])
+    model = recipe.build_model(cfg, 258)
+    layout = recipe.plan_layout(cfg, model, 4, this_machine=False)
+    run = recipe.build_parts(cfg, layout, layout.build_mesh("cpu"), model)
+    part = run.modules[0]
+    trainable = {n for n, p in part.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in part.named_parameters() if ".lora_" in n} and trainable
+
+    def tp_placement(name):
+        p = part.get_parameter(name)
+        names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        return repr(p.placements[names.index("tp")]) if "tp" in names else "whole"
+
+    block = "layers.0."
+    for layer in ("attention.wq", "attention.wk", "feed_forward.w1", "feed_forward.w3"):
+        assert tp_placement(f"{block}{layer}.lora_B.default.weight") == "Shard(dim=0)", layer
+        assert tp_placement(f"{block}{layer}.lora_A.default.weight") == "whole", layer
+    for layer in ("attention.wo", "feed_forward.w2"):
+        assert tp_placement(f"{block}{layer}.lora_A.default.weight") == "Shard(dim=1)", layer
+        assert tp_placement(f"{block}{layer}.lora_B.default.weight") == "Replicate()", layer  # SequenceParallel
