@@ -480,3 +480,42 @@ def test_tp_leaves_the_base_frozen_and_splits_llamas_adapters_with_their_layers(
     for layer in ("attention.wo", "feed_forward.w2"):
         assert tp_placement(f"{block}{layer}.lora_A.default.weight") == "Shard(dim=1)", layer
         assert tp_placement(f"{block}{layer}.lora_B.default.weight") == "Replicate()", layer  # SequenceParallel
+
+
+@pytest.mark.slow
+def test_a_llama_lora_run_exports_merged_to_transformers(tmp_path):
+    """The native family (its own names: wq, w1...): a one-process LoRA run's checkpoint
+    exports with --merge-lora to a folder transformers' LlamaForCausalLM loads, with the
+    logits of meshtrain's adapted model; --format peft is refused (PEFT keys transformers'
+    module names), and so is --format hf without --merge-lora (the adapters would be lost).
+    Plant (run by hand): merged_tensors writing the base weights unmerged fails it."""
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.parallel.init import canonical_name
+    from meshtrain.training import recipe
+    from meshtrain.training.config_loader import parse_args
+    from meshtrain.training.export import export, model_tensors
+    from tests.conftest import torchrun
+
+    argv = ["--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--lora.enable=true",
+            "--lora.target_modules=wq,wv,w2", "--training.steps=3", "--training.seq_len=32", "--optimizer.lr=1e-2",
+            "--checkpoint.enable=true", f"--job.output_dir={tmp_path}", "--job.name=llama"]
+    proc = torchrun("train.py", *argv, nproc=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    step = tmp_path / "llama" / "checkpoint" / "step-00000003"
+    with pytest.raises(ValueError, match="--format peft is for"):
+        export(step, tmp_path / "peft", "peft")
+    with pytest.raises(ValueError, match="add --merge-lora"):
+        export(step, tmp_path / "plain", "hf")
+    export(step, tmp_path / "merged", "hf", merge_lora=True)
+    cfg, _ = parse_args(argv)
+    ours = recipe.build_model(cfg, 258)
+    ours.init_weights(seed=0, device="cpu")
+    saved = dict(model_tensors(step))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(saved[canonical_name(name)])
+    assert saved["layers.0.attention.wq.lora_B.default.weight"].abs().max() > 0  # it trained
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(theirs(input_ids=tokens).logits[..., :258], ours(tokens)[..., :258], rtol=1e-4, atol=1e-4)
