@@ -9,6 +9,11 @@ model's config as JSON; ``job_config.toml`` says which family). DCP reassembles 
 this runs in one process with no process group, reading one tensor at a time: format hf
 holds at most one output shard in memory, format torch (``torch.load`` of a dict of our
 parameter names) the whole model. Other keys (optimizer state, data position) are ignored.
+
+A checkpoint of a `[lora]` run holds the frozen base and the adapters: format peft writes
+the adapters alone as PEFT saves them (training/lora_files.py), for `[model] name = "hf"`;
+``--merge-lora`` folds each adapter into its weight, W + alpha/rank * B A, for format hf
+or torch (any family with a converter).
 """
 
 from __future__ import annotations
@@ -197,7 +202,7 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshtrain export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint_dir", help="a DCP checkpoint folder (one step's)")
-    parser.add_argument("out", help="format hf: output folder; format torch: output file")
+    parser.add_argument("out", help="format hf and peft: output folder; format torch: output file")
     parser.add_argument("--format", choices=("hf", "torch", "peft"), required=True,
                         help="peft: a [lora] run's adapters as a folder PeftModel.from_pretrained loads")
     parser.add_argument("--dtype", choices=DTYPES, help="convert weights (default: as stored)")
