@@ -372,8 +372,10 @@ def test_lora_training_equals_peft_in_every_layout(layout_runs, peft_reference, 
     embeddings on two stages): four AdamW steps with binding clipping from the same base and
     PEFT adapter folders give PEFT's losses, gradient norms, last-step adapter gradients and
     final adapter weights; every base weight ends bitwise as transformers saved it.
-    Plants (run by hand): parallel/lora.py's scaling rank/alpha; B of a colwise base split
-    by input columns; apply_lora leaving the base trainable. Each fails this test."""
+    Plants (run by hand): parallel/lora.py's scaling rank/alpha fails every layout on the
+    first loss; B of a colwise base split by input columns, and apply_lora leaving the base
+    trainable, stop the runs (a shape error; training.recipe's check that only adapters
+    train). test_adapters_follow_their_base_layer_under_tp catches the split numerically."""
     from safetensors.torch import load_file
 
     root, _, results = layout_runs
@@ -395,6 +397,28 @@ def test_lora_training_equals_peft_in_every_layout(layout_runs, peft_reference, 
 
 
 # ---------------------------------------------------------------- checkpoints and export
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_resumes_in_another_layout(layout_runs, peft_reference, tmp_path):
+    """train.py: 2 steps in dp 2 x tp 2, saved; resumed in pp 2 x dp 2 for 2 more (DCP
+    re-slices the adapters, their AdamW state and the base): the adapters after step 4 are
+    PEFT's after 4 steps in one process."""
+    from meshtrain.training.export import model_tensors
+    from tests.conftest import torchrun
+
+    root, _, _ = layout_runs
+    common = lora_argv(root / "base", root / "adapter", *TRAIN, "--checkpoint.enable=true",
+                       "--checkpoint.interval=2", f"--job.output_dir={tmp_path}", "--job.name=reshard")
+    for flags in (["--training.steps=2", *LAYOUTS["dp2_tp2"]], LAYOUTS["pp2_dp2"]):
+        proc = torchrun("train.py", *common, *flags, nproc=4)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed at step 2" in proc.stdout
+    final = dict(model_tensors(tmp_path / "reshard" / "checkpoint" / "step-00000004"))
+    adapters = {n: w for n, w in peft_reference["final"].items() if ".lora_" in n}
+    assert adapters and set(adapters) <= set(final)
+    for name, w in adapters.items():
+        assert torch.allclose(final[name], w, rtol=1e-4, atol=1e-5), name
 
 
 @pytest.mark.slow
