@@ -428,8 +428,9 @@ def test_a_resumed_lora_run_is_the_uninterrupted_one_and_exports_as_peft_and_mer
     and only the adapters have optimizer state. `export --format peft` gives a folder
     PeftModel.from_pretrained loads, and `--format hf --merge-lora` one from_pretrained
     loads; both give the logits of meshtrain's model with the checkpoint's weights.
-    Plants (run by hand): training/lora_files.py's peft_name swapping lora_A and lora_B;
-    merged_tensors folding B A in with scaling 1. Each fails this test."""
+    Plants (run by hand): training/checkpoint.py's load leaving the optimizer state out;
+    training/lora_files.py's peft_name swapping lora_A and lora_B; merged_tensors folding
+    B A in with scaling 1. Each fails this test."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
