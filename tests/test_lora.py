@@ -245,7 +245,7 @@ def tp_run(sp: bool):
     this process: torch's threaded process group), against the same model unsplit."""
     import torch.distributed as dist
     from torch import nn
-    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
     from meshtrain.parallel.lora import apply_lora
 
@@ -278,7 +278,8 @@ def tp_run(sp: bool):
             t.start()
         for t in threads:
             t.join()
-    finally:
+    finally:  # the process's own world and autograd threading back, for the tests after
+        _uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     want = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
     return y.detach(), want, out
