@@ -29,7 +29,7 @@ COMMANDS = {
     "plan": "rank the layouts of a model on a cluster by estimated throughput",
     "estimate": "the planner's memory and step time for one config",
     "prepare-data": "tokenize a corpus once into memory-mapped shards (dataset = \"tokens\")",
-    "export": "a DCP checkpoint to a Hugging Face folder or one torch file",
+    "export": "a DCP checkpoint to a Hugging Face folder, one torch file, or (a LoRA run) a PEFT adapter folder",
     "evaluate": "the validation loss of a saved checkpoint, under any layout (the test loop)",
     "hang-report": "after a collective timed out: which ranks were behind, and where (the run folder's hang/)",
 }

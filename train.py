@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint.close()
         shutdown_distributed()
         return
-    if start_step == 0 and cfg.checkpoint.initial_load_hf:
-        recipe.load_hf_weights(cfg, parts)
+    if start_step == 0:
+        recipe.load_initial_weights(cfg, parts)              # [checkpoint] initial_load_hf, [lora] initial_load_adapter
     hf_export = recipe.open_hf_export(cfg, parts, run_dir)  # None unless [checkpoint] export_hf_interval
     step = recipe.build_step(cfg, layout, parts, optimizer, device)
     if start_step == 0 and dist.get_rank() == 0:
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
                             purge_step=start_step + 1 if start_step else None, run_name=cfg.job.name)
     profiler = Profiler(cfg.profiling, run_dir, dist.get_rank(), device)  # [profiling]'s window, if enabled
     peak, tokens_per_step = device_peak_flops(device), t.global_batch_size * t.seq_len
-    announce(n_params, layout, layout.grad_accum(t.global_batch_size), mesh, start_step, run_dir)
+    announce(n_params, layout, layout.grad_accum(t.global_batch_size), mesh, start_step, run_dir,
+             trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
 
     stop, skipped, stopping, began = GracefulStop(), 0, None, time.perf_counter()
     hang = hang_report.watch(run_dir, mesh, cfg.comm.init_timeout_seconds)  # a stall explains itself in hang/

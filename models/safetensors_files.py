@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshtrain.parallel.init import canonical_name
+from meshtrain.parallel.lora import is_adapter
 
 
 def tensor_files(hf_dir: Path) -> dict[str, Path]:
@@ -68,17 +69,22 @@ def _names_in(path: Path) -> set[str]:
 
 @torch.no_grad()
 def fill_from_safetensors_(model: torch.nn.Module, hf_dir: Path, stored_name: Callable[[str, dict], str],
-                           read_block: Callable | None = None) -> None:
+                           read_block: Callable | None = None, *, adapters: bool = False,
+                           files: dict[str, Path] | None = None) -> None:
     """Fill every parameter of ``model`` (plain, a pipeline stage, or sharded with any
     placements) from the safetensors in ``hf_dir``. ``stored_name(our name, files)`` is
     the tensor's name there; ``read_block(source, shape, offset, our name)`` reads this
     rank's block of it (default: the block as stored). Each rank reads only its own block
-    of each tensor, so peak extra memory is about one local shard."""
-    files = tensor_files(hf_dir)
+    of each tensor, so peak extra memory is about one local shard. ``adapters``: fill the
+    LoRA adapters (from ``files``, a PEFT folder's) instead of the model's own weights,
+    which a model's folder holds and a PEFT folder does not."""
+    files = files if files is not None else tensor_files(hf_dir)
     with contextlib.ExitStack() as stack:
         opened: dict[Path, object] = {}  # safetensors maps each file; a slice reads only its bytes
         for name, param in model.named_parameters():
             name = canonical_name(name)
+            if is_adapter(name) != adapters:
+                continue
             stored = stored_name(name, files)
             if stored not in files:
                 raise ValueError(f"{stored} (the model's {name}) is missing from the weights in {hf_dir}")

@@ -20,7 +20,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 # Names that wrappers (activation checkpointing, torch.compile) insert into parameter
 # names; dropping them keeps the seed of a parameter the same with or without them.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.",
+                    "base_layer.")  # a LoRA-wrapped Linear's own weight (parallel/lora.py)
 
 InitFn = Callable[[torch.Tensor, torch.Generator], object]
 

@@ -34,7 +34,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> nn.Module:
     (`check_tp_plan`)."""
     check_tp_plan(model, plan)
     tied = tied_parameter_names(model)
+    # Some styles (SequenceParallel) make each weight a new nn.Parameter, trainable: a
+    # frozen one (a LoRA run's base) must stay frozen.
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     parallelize_module(model, tp_mesh, plan)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     for names in tied:
         source = model.get_parameter(names[0])
         for name in names[1:]:

@@ -37,6 +37,8 @@ class TiedWeights:
     @torch.no_grad()
     def sum_gradients(self) -> None:
         for params, group in zip(self.copies, self.groups):
+            if not all(p.requires_grad for p in params):
+                continue  # frozen (the base of a LoRA run): no gradient to share
             for p in params:
                 if p.grad is None:  # unused this step: still take part in the sum
                     p.grad = torch.zeros_like(p)

@@ -49,6 +49,7 @@ class ProbeKey:
     dtype: str = "bfloat16"
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    lora: tuple = ()  # [lora]: (rank, alpha, target_modules); a frozen layer saves less for backward
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class ActivationProfile:
         return sum(self.blocks[j % period] for j in range(n_blocks))
 
 
-def profile_for(model, seq_len: int, tp: int, ac: str) -> "ActivationProfile | None":
+def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = ()) -> "ActivationProfile | None":
     """The profile of a planner ModelShape's block at ``seq_len`` tokens per rank, or None
     for a family that cannot build a short copy of itself from a flavor (hf)."""
     from meshtrain.models import registry
@@ -79,7 +80,8 @@ def profile_for(model, seq_len: int, tp: int, ac: str) -> "ActivationProfile | N
     c = family.flavors[model.flavor]
     if (c.dim, c.n_heads, c.ffn_hidden) != (model.dim, model.n_heads, model.ffn_hidden):
         return None  # a config that changes the flavor's shape: the probe would trace another block
-    return activation_profile(ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac))
+    return activation_profile(ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac,
+                                       lora=lora))
 
 
 def period_of(key: ProbeKey) -> int:
@@ -113,6 +115,11 @@ def _probe_model(key: ProbeKey):
     if not family.learned_positions:  # as training.recipe.build_model sizes rotary tables
         overrides["max_seq_len"] = key.seq_len
     model = family.model_class().from_flavor(key.flavor, meta=True, **overrides)
+    if key.lora:  # as training.recipe.build_model adds them: the base frozen
+        from meshtrain.parallel.lora import apply_lora
+
+        rank, alpha, targets = key.lora
+        apply_lora(model, rank=rank, alpha=alpha, target_modules=list(targets), exclude=family.high_precision)
     model.to(getattr(torch, key.dtype))  # FSDP's mixed precision, without FSDP (on meta: free)
     mesh = ParallelDims(tp=key.tp, dp_shard=1, world_size=key.tp).build_mesh("cpu")
     return parallelize(model, mesh, sequence_parallel=key.sequence_parallel, loss_parallel=key.loss_parallel,
@@ -154,6 +161,10 @@ def _trace(key: ProbeKey) -> ActivationProfile:
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         tracker = peak_only(MemTracker)()
+        if key.lora:  # torch's tracker hooks every parameter's gradient, which a frozen one refuses;
+            # the probe makes no parameter gradient anyway (only the activations' below)
+            track = tracker._track_module_params_and_buffers
+            tracker._track_module_params_and_buffers = lambda module, install_grad_hooks=True: track(module, False)
         tracker.track_external(model)
         levels = _Levels(tracker)
         pre, post, phases, outputs, inputs = [], [], [], [], []
@@ -162,7 +173,10 @@ def _trace(key: ProbeKey) -> ActivationProfile:
         def before(module, args):
             if forward[0]:
                 pre.append(levels.now())
+                if not args[0].requires_grad:  # [lora]: the frozen embedding's output; backward starts here
+                    args = (args[0] + torch.zeros((), dtype=args[0].dtype, requires_grad=True), *args[1:])
                 inputs.append(args[0])
+                return args
 
         def after(module, args, out):
             if forward[0]:

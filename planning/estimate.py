@@ -82,8 +82,11 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
                                       family=cfg.model.name, learned_positions=model.learned_positions())
     shape = dataclasses.replace(shape, n_layers=model_cfg.n_layers)  # [model] n_layers may override
     per_node = min(gpus_per_node, world_size)
+    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    trainable = sum(n for n, grad in counts if grad) / sum(n for n, _ in counts)
     return Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
-               compiled=cfg.compile.enable)
+               compiled=cfg.compile.enable, trainable=trainable,
+               lora=(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.enable else ())
 
 
 def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:

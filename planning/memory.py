@@ -125,13 +125,14 @@ def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
     """Peak bytes per GPU on the worst pipeline rank (the one with the largest total).
     Activations come from a traced probe of two blocks (planning/activations.py) where the
     family can build one; otherwise from the formulas above."""
-    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac)
+    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora)
     worst = None
     for r, share in enumerate(rank_shares(job, lay)):
         if prof is not None:
             mem = traced_memory(job, lay, r, share, prof)
         else:
             mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(job.model, share, lay.tp), lay.fsdp_shard))
+            mem.grads, mem.optimizer = mem.grads * job.trainable, mem.optimizer * job.trainable  # LoRA: frozen base
             mem.activations, mem.transient = formula_activations(job, lay, share), transient_bytes(job.model, share, lay)
         if worst is None or mem.total > worst.total:
             worst = mem
@@ -165,18 +166,21 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
     block, embed, head = _units(m, t)
     local = rank_local_params(m, share, t)
     shard = lay.fsdp_shard
-    mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=2 * FP32 * local / shard)
+    # With [lora] (job.trainable < 1) only the adapters have gradients and AdamW moments.
+    grad = job.trainable
+    mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=2 * FP32 * local / shard * grad)
     zero2 = STRATEGIES[lay.strategy] == 2
     accumulating = rank_batch(job, lay) > lay.local_batch
-    held_grads = FP32 * local / shard if accumulating else 0.0
+    held_grads = FP32 * local / shard * grad if accumulating else 0.0
     gathered = lambda *units: BF16 * (local if zero2 else sum(units))
     if lay.pp == 1:
         kept = b * (prof.embed + prof.kept(share.layers))
         moments = [  # (gradients, transient, activations)
             (held_grads, gathered(head), kept + b * (prof.head + prof.head_working)),
-            (held_grads, gathered(block, block) + (BF16 + FP32) * block, kept + b * prof.block_working),
+            (held_grads, gathered(block, block) + (BF16 + FP32) * block * grad, kept + b * prof.block_working),
             (held_grads, gathered(head), kept + b * (prof.head + prof.forward_extra)),
-            (FP32 * local / shard, gathered(embed) + (BF16 + FP32) * embed, b * (prof.embed + prof.kept(1))),
+            (FP32 * local / shard * grad, gathered(embed) + (BF16 + FP32) * embed * grad,
+             b * (prof.embed + prof.kept(1))),
         ]
         mem.grads, mem.transient, mem.activations = max(moments, key=sum)
         return mem
@@ -187,7 +191,7 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
                          + (prof.head if last else 0))
         working[s] = b * max(prof.block_working, prof.head_working if last else 0)
         params = n * block + first * embed + last * (0 if (m.tied and first) else head)
-        after[s] = FP32 * params + (0 if zero2 else BF16 * params)
+        after[s] = FP32 * params * grad + (0 if zero2 else BF16 * params)
         running[s] = 0 if zero2 else BF16 * (head if last else block)
     actions = rank_actions(lay.pp_schedule, lay.pp, lay.stages_per_rank, lay.pp_microbatches)[rank]
     live, done, best = {s: 0 for s in weight}, set(), (-1.0, 0.0, 0.0)

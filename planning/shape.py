@@ -96,6 +96,10 @@ class Job:
     seq_len: int
     global_batch: int
     compiled: bool = False   # [compile] enable: element-wise chains fused (planning/kernels.py)
+    # The fraction of the parameters that train: below 1 with [lora], whose frozen base has
+    # no gradient and no optimizer state (its fp32 shards are kept: they are the weights).
+    trainable: float = 1.0
+    lora: tuple = ()  # (rank, alpha, target_modules) of [lora], for the activation probe
 
     @property
     def world(self) -> int:

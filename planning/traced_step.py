@@ -44,7 +44,8 @@ def init_optimizer_state(parts, optimizers, accumulating: bool = False) -> None:
     the earlier ones are already there (train_step sets them to None only at step start)."""
     for part in parts:
         for q in part.parameters():
-            q.grad = torch.zeros_like(q)
+            if q.requires_grad:  # a frozen weight (LoRA's base) never has a gradient
+                q.grad = torch.zeros_like(q)
     optimizers.step()
     optimizers.zero_grad(set_to_none=not accumulating)
 

@@ -39,7 +39,7 @@ def changed(section) -> object:
         elif f.type is int:
             new[f.name] = 3 if v in meta.get("also", ()) else v + 1
         elif f.type is float:
-            new[f.name] = 0.5 if v in meta.get("also", ()) else v / 2
+            new[f.name] = 0.5 if not v or v in meta.get("also", ()) else v / 2
         elif f.type == list[int]:
             new[f.name] = v + [3, 7]
         elif f.type == list[str]:
@@ -63,7 +63,7 @@ def test_every_section_round_trips_through_toml(tmp_path):
     cfg.model.name, cfg.model.hf_config = "hf", str(ROOT / "configs" / "hf" / "qwen2-tiny")
     # [validation] split (held-out training data) and dataset (a corpus of its own) exclude
     # each other: the dataset round-trips here, split in test_validation.py.
-    cfg.validation.dataset = "text"
+    cfg.validation.dataset, cfg.validation.split = "text", 0.0
     # A pipeline and [checkpoint] export_hf_interval exclude each other: pp stays 1 here
     # (configs with pp > 1, debug_3d, are read by the pipeline tests).
     cfg.parallelism.pp = 1

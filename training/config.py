@@ -287,6 +287,26 @@ class ValidationSection:
 
 
 @dataclass
+class LoraSection:
+    enable: bool = opt(False, "train low-rank adapters (LoRA) on the target_modules' Linear layers, every base "
+                       "weight frozen: no gradient, no optimizer state (docs/finetuning.md)")
+    rank: int = opt(8, "the adapters' rank r: each adapted [out, in] weight W gets B [out, r] and A [r, in]",
+                    min=1, max=65536, aliases=("r", "lora_r"))
+    alpha: float = opt(16.0, "the adapters' output is scaled by alpha / rank", gt=0, lt=math.inf,
+                       aliases=("lora_alpha",))
+    dropout: float = opt(0.0, "dropout on the adapters' input (the base layer sees it undropped)", min=0, lt=1,
+                         aliases=("lora_dropout",))
+    target_modules: list[str] = opt(["all-linear"], "the Linear layers that get adapters, as PEFT spells "
+                                    'them: a module name or the end of its path ("q_proj", '
+                                    '"self_attn.q_proj"; llama: "wq", "w1"...), or "all-linear" (every '
+                                    "Linear but the output layer)")
+    initial_load_adapter: str = opt("", "a PEFT adapter folder (adapter_config.json + "
+                                    "adapter_model.safetensors) to start the adapters from when there is no "
+                                    "checkpoint to resume; empty: A random, B zero (the adapters start as "
+                                    "a no-op)")
+
+
+@dataclass
 class CommSection:
     init_timeout_seconds: float = opt(600.0, "collective timeout until the first step is done "
                                       "(start-up, compilation, shape inference)", gt=0,
@@ -312,6 +332,7 @@ class JobConfig:
     compile: CompileSection = field(default_factory=CompileSection)
     float8: Float8Section = field(default_factory=Float8Section)
     validation: ValidationSection = field(default_factory=ValidationSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     comm: CommSection = field(default_factory=CommSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
 

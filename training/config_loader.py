@@ -192,6 +192,11 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         raise ConfigError(f"{where} is after the last step ([training] steps = {t.steps}): nothing would be "
                           f"profiled. Use a start_step from 1 to {t.steps}")
     _check_export_hf(cfg, sources)
+    lo = cfg.lora
+    if lo.initial_load_adapter and not lo.enable:
+        where = _where("lora", "initial_load_adapter", lo.initial_load_adapter,
+                       sources.get(("lora", "initial_load_adapter")))
+        raise ConfigError(f"{where} is read only with [lora] enable = true")
     v = cfg.validation
     check_validation(cfg, sources, needed_by=_where("validation", "enable", v.enable,
                                                     sources.get(("validation", "enable"))) if v.enable else "")

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def announce(n_params: int, layout, grad_accum: int, mesh, start_step: int, run_dir: Path) -> None:
+def announce(n_params: int, layout, grad_accum: int, mesh, start_step: int, run_dir: Path,
+             trainable: int | None = None) -> None:
     """One line before the first step: the mesh, the model, how each step's batch is cut."""
     if dist.get_rank() != 0:
         return
@@ -22,7 +23,10 @@ def announce(n_params: int, layout, grad_accum: int, mesh, start_step: int, run_
                   f"{'/'.join(str(len(s)) for s in layout.stage_layers)} layers, each pass cut into "
                   f"{layout.pp_microbatches} micro-batches of {layout.micro_batch}")
     resumed = f" | resumed at step {start_step}" if start_step else ""
-    print(f"meshtrain: {mesh} | {n_params / 1e6:,.1f}M parameters | {batch}{resumed} | logs in {run_dir}",
+    params = f"{n_params / 1e6:,.1f}M parameters"
+    if trainable is not None and trainable < n_params:  # LoRA: the adapters alone train
+        params += f" ({trainable / 1e6:,.3f}M trainable: LoRA adapters)"
+    print(f"meshtrain: {mesh} | {params} | {batch}{resumed} | logs in {run_dir}",
           flush=True)
 
 

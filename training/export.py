@@ -1,7 +1,7 @@
 """Export a training checkpoint to Hugging Face format (families with a converter in
 models/registry.py: Llama) or one consolidated torch file (any family).
 
-    meshtrain export CHECKPOINT_DIR OUT --format hf|torch [--dtype bfloat16|float32]
+    meshtrain export CHECKPOINT_DIR OUT --format hf|torch|peft [--dtype bfloat16|float32] [--merge-lora]
 
 A checkpoint is a torch.distributed.checkpoint (DCP) folder written by any layout: model
 weights under the keys ``model.<parameter name>``, plus ``model_config.json`` (the
@@ -9,6 +9,11 @@ model's config as JSON; ``job_config.toml`` says which family). DCP reassembles 
 this runs in one process with no process group, reading one tensor at a time: format hf
 holds at most one output shard in memory, format torch (``torch.load`` of a dict of our
 parameter names) the whole model. Other keys (optimizer state, data position) are ignored.
+
+A checkpoint of a `[lora]` run holds the frozen base and the adapters: format peft writes
+the adapters alone as PEFT saves them (training/lora_files.py), for `[model] name = "hf"`;
+``--merge-lora`` folds each adapter into its weight, W + alpha/rank * B A, for format hf
+or torch (any family with a converter).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.models import registry
 from meshtrain.parallel.init import canonical_name
+from meshtrain.parallel.lora import ADAPTER, is_adapter
 from meshtrain.training.checkpoint import root_cause
 from meshtrain.training.checkpoint_reader import SafeReader, tensor_damage
 from meshtrain.training.export_target import check_target, staged
+from meshtrain.training.lora_files import save_peft
 from meshtrain.training.config import DTYPES
 from meshtrain.training.config_loader import tomllib
 
@@ -80,9 +87,10 @@ def _order(name: str):
     return ({"tok_embeddings.weight": 0, "norm.weight": 2, "output.weight": 3}.get(name, 4), 0, name)
 
 
-def model_tensors(checkpoint_dir: str | Path,
-                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our parameter name, full tensor) for each model weight in a DCP folder, one at a time."""
+def model_tensors(checkpoint_dir: str | Path, dtype: torch.dtype | None = None,
+                  select=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our parameter name, full tensor) for each model weight in a DCP folder, one at a time;
+    ``select(name)``: only those."""
     reader = SafeReader(str(checkpoint_dir))
     try:
         metadata = reader.read_metadata()
@@ -94,6 +102,7 @@ def model_tensors(checkpoint_dir: str | Path,
     if not entries:
         raise ValueError(f"{checkpoint_dir} holds no model weights (no 'model.*' tensors)")
     names = {canonical_name(key.removeprefix("model.")): key for key in entries}
+    names = {name: key for name, key in names.items() if select is None or select(name)}
     for name in sorted(names, key=_order):
         key = names[name]
         meta = entries[key]
@@ -104,9 +113,35 @@ def model_tensors(checkpoint_dir: str | Path,
         yield name, tensor if dtype is None else tensor.to(dtype)
 
 
-def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None) -> None:
+def read_lora(checkpoint_dir: str | Path) -> dict:
+    """The [lora] section of the run that wrote the checkpoint ({} when it had none)."""
+    path = Path(checkpoint_dir) / "job_config.toml"
+    return tomllib.loads(path.read_text()).get("lora", {}) if path.is_file() else {}
+
+
+def has_adapters(checkpoint_dir: str | Path) -> bool:
+    metadata = SafeReader(str(checkpoint_dir)).read_metadata()
+    return any(key.startswith("model.") and is_adapter(key) for key in metadata.state_dict_metadata)
+
+
+def merged_tensors(checkpoint_dir: str | Path, dtype: torch.dtype | None, scaling: float):
+    """The base weights with each adapter folded in, W + scaling * B A (in float32, then
+    ``dtype``): the model the adapted one computes, with no adapters left."""
+    adapters = dict(model_tensors(checkpoint_dir, select=is_adapter))
+    for name, tensor in model_tensors(checkpoint_dir, select=lambda n: not is_adapter(n)):
+        stem = name.removesuffix(".weight")
+        a, b = adapters.get(f"{stem}.lora_A.{ADAPTER}.weight"), adapters.get(f"{stem}.lora_B.{ADAPTER}.weight")
+        if a is not None:
+            tensor = (tensor.float() + scaling * (b.float() @ a.float())).to(tensor.dtype)
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None,
+           merge_lora: bool = False) -> None:
     """Write the checkpoint's model to ``out``; an earlier export there is replaced only once
-    the new one is complete (training/export_target.py)."""
+    the new one is complete (training/export_target.py). A checkpoint of a [lora] run
+    exports as a PEFT folder (``fmt`` "peft": the adapters alone), or with ``merge_lora``
+    as the merged model."""
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint folder {checkpoint_dir} " + (
@@ -123,6 +158,10 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
     if fmt == "hf" and not family.hf:
         raise ValueError(f"{checkpoint_dir} holds a {family.name} model, which has no Hugging Face "
                          "converter (models/registry.py); Hugging Face export is for Llama. Use --format torch")
+    if fmt == "peft" and family.name != "hf":
+        raise ValueError(f"{checkpoint_dir} holds a {family.name} model, whose module names are not "
+                         "transformers' ones a PEFT folder is keyed by; --format peft is for [model] name = \"hf\". "
+                         "Use --format hf --merge-lora, or --format torch")
     check_target(out, fmt)
     if not (checkpoint_dir / ".metadata").is_file():
         raise FileNotFoundError(f"{checkpoint_dir} is not a torch.distributed.checkpoint folder (no .metadata)")
@@ -130,9 +169,24 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
     problem = tensor_damage(checkpoint_dir)
     if problem:
         raise ValueError(f"{checkpoint_dir} is damaged ({problem}); export another step, e.g. an earlier one")
-    tensors = model_tensors(checkpoint_dir, dtype)
+    adapted, lora = has_adapters(checkpoint_dir), read_lora(checkpoint_dir)
+    if (fmt == "peft" or merge_lora) and not adapted:
+        raise ValueError(f"{checkpoint_dir} holds no LoRA adapters (it was not trained with [lora] enable = "
+                         f"true): export it with --format hf{'' if fmt == 'peft' else ' without --merge-lora'}")
+    if fmt == "hf" and adapted and not merge_lora:
+        raise ValueError(f"{checkpoint_dir} holds LoRA adapters, which a Hugging Face model folder has no "
+                         "place for: add --merge-lora (the adapters folded into the weights), or export them "
+                         "with --format peft")
+    if merge_lora:
+        tensors = merged_tensors(checkpoint_dir, dtype, lora["alpha"] / lora["rank"])
+    else:
+        tensors = model_tensors(checkpoint_dir, dtype)
     with staged(out, fmt) as tmp:
-        if fmt == "hf":
+        if fmt == "peft":
+            base = tomllib.loads((checkpoint_dir / "job_config.toml").read_text())
+            save_peft(tensors, tmp, rank=lora["rank"], alpha=lora["alpha"], dropout=lora.get("dropout", 0.0),
+                      base_model=base.get("checkpoint", {}).get("initial_load_hf", ""))
+        elif fmt == "hf":
             family.hf_module().save_hf(tensors, cfg, tmp)
         else:
             state = dict(tensors)
@@ -148,13 +202,17 @@ def export(checkpoint_dir: str | Path, out: str | Path, fmt: str, dtype: torch.d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshtrain export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint_dir", help="a DCP checkpoint folder (one step's)")
-    parser.add_argument("out", help="format hf: output folder; format torch: output file")
-    parser.add_argument("--format", choices=("hf", "torch"), required=True)
+    parser.add_argument("out", help="format hf and peft: output folder; format torch: output file")
+    parser.add_argument("--format", choices=("hf", "torch", "peft"), required=True,
+                        help="peft: a [lora] run's adapters as a folder PeftModel.from_pretrained loads")
     parser.add_argument("--dtype", choices=DTYPES, help="convert weights (default: as stored)")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="a [lora] run: fold the adapters into the weights (W + alpha/rank * B A)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
-        export(args.checkpoint_dir, args.out, args.format, getattr(torch, args.dtype) if args.dtype else None)
+        export(args.checkpoint_dir, args.out, args.format, getattr(torch, args.dtype) if args.dtype else None,
+               merge_lora=args.merge_lora)
     except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: no safetensors
         print(f"meshtrain: error: {err}", file=sys.stderr, flush=True)
         return 2

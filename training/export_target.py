@@ -36,8 +36,8 @@ def check_target(out: Path, fmt: str) -> None:
     if fmt == "torch" and out.is_dir():
         raise ExportTargetError(f"{out} is a folder, and --format torch writes one file: give a file path, "
                                 f"e.g. {out / 'model.pt'}")
-    if fmt == "hf" and out.exists() and not out.is_dir():
-        raise ExportTargetError(f"{out} is a file, and --format hf writes a folder (config.json and "
+    if fmt in ("hf", "peft") and out.exists() and not out.is_dir():
+        raise ExportTargetError(f"{out} is a file, and --format {fmt} writes a folder (config.json and "
                                 f"safetensors): give a folder path, or move the file away")
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
@@ -63,13 +63,13 @@ def staged(out: Path, fmt: str) -> Iterator[Path]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove(tmp)  # an earlier export of this pid that died
-        if fmt == "hf":
+        if fmt in ("hf", "peft"):
             tmp.mkdir()
     except OSError as err:
         raise _cannot_write(out, err) from None
     try:
         yield tmp
-        if fmt == "hf":
+        if fmt in ("hf", "peft"):
             _swap_folder(tmp, out)
         else:
             os.replace(tmp, out)

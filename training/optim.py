@@ -25,8 +25,11 @@ def build_optimizer(model: nn.Module, *, lr: float, beta1: float, beta2: float, 
                     weight_decay: float) -> torch.optim.AdamW:
     """AdamW with two param groups: [0] matrices and embeddings (ndim >= 2) get weight
     decay, [1] norms and biases (ndim < 2) do not -- decaying a norm's gain toward zero
-    only fights the normalisation. Both groups always exist, so group indices are the
-    same for every model (and every checkpoint)."""
+    only fights the normalisation. Frozen parameters (the base of a LoRA run) are left
+    out: no moments are kept for them. Both groups exist whenever something trains in
+    them, so group indices are the same for every model (and every checkpoint) of a kind;
+    a LoRA run, whose adapters are all matrices, has the first alone (torch's flattened
+    optimizer state dict cannot hold an empty group)."""
     # DTensor.ndim is the global ndim, so sharding (a 1-D shard of a matrix) cannot move
     # a parameter from one group to the other.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -36,6 +39,8 @@ def build_optimizer(model: nn.Module, *, lr: float, beta1: float, beta2: float, 
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if not no_decay and len(params) < sum(1 for _ in model.parameters()):
+        groups = groups[:1]
     # fused: one kernel per group of tensors that reads each parameter, gradient and both
     # moments once. The foreach path instead materialises list-sized temporaries (a full
     # extra copy of the second moments, for one), which is both slower and a step-time

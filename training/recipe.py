@@ -28,6 +28,7 @@ from meshtrain.parallel import LayoutError, ParallelDims, mixed_precision_policy
 from meshtrain.parallel.async_tp import async_tp_unavailable
 from meshtrain.parallel.context_parallel import check_cp_fits
 from meshtrain.parallel.float8 import apply_float8, float8_unavailable
+from meshtrain.parallel.lora import LoraError, is_adapter, lora_tp_plan
 from meshtrain.parallel.fsdp import check_strategy
 from meshtrain.parallel.pipeline import build_schedule, check_pipeline, split_into_stages
 from meshtrain.parallel.tensor_parallel import check_tp_plan
@@ -53,7 +54,40 @@ def device_type(cfg: JobConfig) -> str:
 
 
 def build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
-    """The whole model on meta: no memory, whatever its size."""
+    """The whole model on meta: no memory, whatever its size; with [lora] enable, its
+    targeted Linear layers wrapped with adapters and every base weight frozen."""
+    model = _build_model(cfg, tokenizer_vocab)
+    if cfg.lora.enable:
+        add_lora(cfg, model)
+    return model
+
+
+def add_lora(cfg: JobConfig, model: nn.Module) -> None:
+    """[lora]: adapters on the target_modules (parallel/lora.py), before TP and FSDP."""
+    from meshtrain.parallel.lora import LoraError, apply_lora, lora_targets
+
+    lo, family = cfg.lora, registry.get(cfg.model.name)
+    if cfg.float8.enable:
+        raise ConfigError("[lora] enable = true with [float8] enable = true: float8 would cast the adapters' "
+                          "small matrices too; use one or the other")
+    if cfg.checkpoint.export_hf_interval:
+        raise ConfigError(f"[lora] enable = true with [checkpoint] export_hf_interval = "
+                          f"{cfg.checkpoint.export_hf_interval}: export during training writes plain Hugging Face "
+                          "folders and knows no adapters. Use export_hf_interval = 0 and export a checkpoint afterwards: "
+                          "meshtrain export STEP_DIR OUT --format peft (the adapters) or --format hf --merge-lora")
+    where = f"[lora] target_modules = {json.dumps(lo.target_modules)}"
+    try:
+        paths = lora_targets(model, lo.target_modules, exclude=family.high_precision)
+    except LoraError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    heads = [p for p in paths if p.rsplit(".", 1)[-1] in family.high_precision]
+    if heads:  # its weight may be tied to the embedding, and its TP split is the loss's
+        raise ConfigError(f"{where} names the output layer ({heads[0]}); LoRA adapts the blocks' Linear "
+                          "layers: leave it out (\"all-linear\" does)")
+    apply_lora(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=paths)
+
+
+def _build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     m, seq_len = cfg.model, cfg.training.seq_len
     if m.name == "hf":
         return build_hf_model(cfg, tokenizer_vocab)
@@ -135,7 +169,11 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
     if refusal:
         raise LayoutError(f"[parallelism] tp = {dims.tp}, pp = {dims.pp}: {refusal}")
     if dims.tp > 1:  # a plan naming modules that are not there, or that it cannot split: now, not after start-up
-        check_tp_plan(model, model.tp_plan(sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel))
+        plan = model.tp_plan(sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+        try:
+            check_tp_plan(model, lora_tp_plan(model, plan))
+        except LoraError as err:
+            raise LayoutError(f"[parallelism] tp = {dims.tp} with [lora]: {err}") from None
     try:
         strategy = check_strategy(p.sharding_strategy, dims.degrees)
     except LayoutError as err:
@@ -212,6 +250,18 @@ def _check_inputs(cfg: JobConfig) -> None:
         from meshtrain.training.chat_template import resolve
 
         resolve(t.chat_template, t.tokenizer)
+    adapter = cfg.lora.initial_load_adapter
+    if adapter:
+        from meshtrain.training.lora_files import check_adapter_config, read_adapter_config
+
+        if cfg.model.name != "hf":
+            raise ConfigError(f'[lora] initial_load_adapter reads a PEFT folder, whose adapters are named by '
+                              f'transformers\' module paths; [model] name = "{cfg.model.name}" has its own names: '
+                              'use [model] name = "hf", or leave initial_load_adapter empty')
+        try:
+            check_adapter_config(read_adapter_config(adapter), adapter, rank=cfg.lora.rank, alpha=cfg.lora.alpha)
+        except ValueError as err:
+            raise ConfigError(f'[lora] initial_load_adapter = "{adapter}": {err}') from None
     if hf and not registry.get(cfg.model.name).hf:
         raise ConfigError(f'[checkpoint] initial_load_hf reads Hugging Face weights; [model] name = '
                           f'"{cfg.model.name}" has no importer')
@@ -266,7 +316,12 @@ def build_parts(cfg: JobConfig, layout: ParallelDims, mesh, model: nn.Module) ->
     pp_mesh = submesh(mesh, "pp")
     parts = [(0, model)] if pp_mesh is None else split_into_stages(model, pp_mesh, layout.stage_layers,
                                                                    style=layout.placement)
-    return Parts(mesh, [(i, parallelize_part(part, mesh, cfg, layout)) for i, part in parts], model)
+    run = Parts(mesh, [(i, parallelize_part(part, mesh, cfg, layout)) for i, part in parts], model)
+    if cfg.lora.enable:  # a weight copied for a stage, or made by a wrapper, must stay frozen
+        stray = [n for part in run.modules for n, p in part.named_parameters() if p.requires_grad and not is_adapter(n)]
+        if stray:
+            raise RuntimeError(f"[lora]: base weights left trainable after parallelizing: {stray[:3]}")
+    return run
 
 
 def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: ParallelDims) -> nn.Module:
@@ -394,6 +449,33 @@ def open_hf_export(cfg: JobConfig, run: Parts, run_dir: Path):
     (module,) = run.modules  # pp = 1: config_loader refuses export during training under a pipeline
     return HFExport(run_dir / "hf", module=module, family=registry.get(cfg.model.name), model_config=run.model.cfg,
                     interval=c.export_hf_interval, background=c.async_save)
+
+
+def load_initial_weights(cfg: JobConfig, run: Parts) -> None:
+    """A fresh run (no checkpoint resumed): the base model from [checkpoint]
+    initial_load_hf, the adapters from [lora] initial_load_adapter, where given."""
+    if cfg.checkpoint.initial_load_hf:
+        load_hf_weights(cfg, run)
+    if cfg.lora.initial_load_adapter:
+        load_adapter(cfg, run)
+
+
+def load_adapter(cfg: JobConfig, run: Parts) -> None:
+    """[lora] initial_load_adapter: each rank reads only its own blocks of the adapters."""
+    from meshtrain.training.lora_files import load_adapter_, unused_adapters
+
+    folder = cfg.lora.initial_load_adapter
+    unused = unused_adapters(run.model, folder)
+    if unused:
+        raise CheckpointError(f'[lora] initial_load_adapter = "{folder}" holds adapters this model has no place '
+                              f"for ({len(unused)}, e.g. {unused[0]}): [lora] target_modules = "
+                              f"{json.dumps(cfg.lora.target_modules)} leaves them out, or the folder is of another "
+                              "model")
+    for part in run.modules:
+        try:
+            load_adapter_(part, folder)
+        except (ValueError, FileNotFoundError) as err:  # the folder does not fit the model
+            raise CheckpointError(f'[lora] initial_load_adapter = "{folder}": {err}') from None
 
 
 def load_hf_weights(cfg: JobConfig, run: Parts) -> None:

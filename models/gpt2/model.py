@@ -21,7 +21,8 @@ from meshtrain.models.common import build_from_flavor, cut_stage, fsdp_units
 from meshtrain.models.gpt2.config import FLAVORS, GPT2Config
 from meshtrain.models.documents import document_mask
 from meshtrain.parallel.context_parallel import causal_attention, split_sequence
-from meshtrain.parallel.init import init_param_, materialize, trunc_normal_
+from meshtrain.parallel.init import canonical_name, init_param_, materialize, trunc_normal_
+from meshtrain.parallel.lora import init_adapters_
 
 
 class Attention(nn.Module):
@@ -159,7 +160,7 @@ class GPT2(nn.Module):
         alias = {copy_: names[0] for names in self.tied_weights() for copy_ in names[1:]}
         with torch.no_grad():
             for name, param in self.named_parameters():
-                name = alias.get(name, name)
+                name = canonical_name(alias.get(name, name))
                 if name.endswith(".bias"):
                     init_param_(param, seed, name, lambda t, g: t.zero_())
                 elif ".ln_" in name or name.startswith("ln_"):
@@ -168,3 +169,4 @@ class GPT2(nn.Module):
                     init_param_(param, seed, name, lambda t, g: trunc_normal_(t, residual_std, g))
                 else:
                     init_param_(param, seed, name, lambda t, g: trunc_normal_(t, 0.02, g))
+            init_adapters_(self, seed)  # LoRA's own init, where [lora] added adapters

@@ -29,6 +29,7 @@ from meshtrain.models.hf.config import HFConfig, HFModelError, config_path, read
 from meshtrain.models.hf.config_checks import config_problem, file_problem
 from meshtrain.models.hf.tp_styles import STYLES, refusal, translate
 from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
+from meshtrain.parallel.lora import init_adapters_
 from meshtrain.parallel.mesh import LayoutError
 
 def transformers_or_explain():
@@ -287,7 +288,8 @@ class HFModel:
             # (meta) copy of the embedding module under its name. See init_weights.
             source = f"{self._mt_base}.{self._mt_embed}"
             stage._mt_tied_sources = {f"{HEAD}.weight": (source, copy.deepcopy(self.get_submodule(source)))}
-            stage._head().weight = nn.Parameter(torch.empty_like(self._head().weight))
+            tied = self._head().weight  # its own copy now, frozen if the weight is (a LoRA run's base)
+            stage._head().weight = nn.Parameter(torch.empty_like(tied), requires_grad=tied.requires_grad)
         stage._mt_first, stage._mt_last = first, last
         return stage
 
@@ -310,6 +312,7 @@ class HFModel:
             shadow = copy.deepcopy(shadow)
             shadow.weight = nn.Parameter(torch.empty(param.shape, device=_local(param).device))
             self._init_module(shadow, source, [("weight", shadow.weight)], seed, into={"weight": param})
+        init_adapters_(self, seed)  # LoRA's own init (PEFT's), where [lora] added adapters
 
     @torch.no_grad()
     def init_buffers(self) -> None:

@@ -19,7 +19,8 @@ from meshtrain.models.common import build_from_flavor, cut_stage, fsdp_units
 from meshtrain.models.documents import document_mask
 from meshtrain.models.llama.config import FLAVORS, LlamaConfig
 from meshtrain.parallel.context_parallel import causal_attention
-from meshtrain.parallel.init import init_param_, materialize, trunc_normal_
+from meshtrain.parallel.init import canonical_name, init_param_, materialize, trunc_normal_
+from meshtrain.parallel.lora import init_adapters_
 
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
@@ -192,7 +193,7 @@ class Llama(nn.Module):
         with torch.no_grad():
             alias = {copy_: names[0] for names in self.tied_weights() for copy_ in names[1:]}
             for name, param in self.named_parameters():
-                name = alias.get(name, name)  # a tied copy starts as its source
+                name = canonical_name(alias.get(name, name))  # a tied copy starts as its source
                 if name.endswith("norm.weight"):
                     init_param_(param, seed, name, lambda t, g: t.fill_(1.0))
                 elif name.endswith(("wo.weight", "w2.weight")):
@@ -203,6 +204,7 @@ class Llama(nn.Module):
                     init_param_(param, seed, name, _trunc_normal(c.dim ** -0.5))
                 else:
                     init_param_(param, seed, name, _trunc_normal(0.02))
+            init_adapters_(self, seed)  # LoRA's own init, where [lora] added adapters
             self.init_buffers()
 
     def init_buffers(self) -> None:

@@ -32,7 +32,7 @@ def full_weights(modules, pp_mesh, drop: set[str], grads: bool = False) -> dict[
     mine = {}
     for module in modules:
         for name, p in module.named_parameters():
-            if canonical_name(name) not in drop:
+            if canonical_name(name) not in drop and not (grads and p.grad is None):  # frozen: no gradient
                 t = p.grad if grads else p
                 mine[canonical_name(name)] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
     if pp_mesh is None:
@@ -65,6 +65,7 @@ def build_run(argv: list[str]):
     parts = recipe.build_parts(cfg, layout, mesh, model)
     for part in parts.modules:
         part.init_weights(seed=t.seed, device="cpu")
+    recipe.load_initial_weights(cfg, parts)  # as train.py does without a checkpoint to resume
     dp_rank, dp_size = mesh_coordinate(mesh, "dp")
     data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size, held_out=cfg.validation.split)
     optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
