@@ -33,6 +33,19 @@ def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:
     return {name: torch.load(out / f"{name}.pt") for name in names}
 
 
+def recipe_runs(out: Path, runs: dict, nproc: int) -> dict:
+    """One torchrun job of tests/workers/recipe_runs.py trains each named `train.py` command
+    line in ``runs`` in turn (one start-up, not one per run); returns each result by name."""
+    import json
+
+    import torch
+
+    (out / "runs.json").write_text(json.dumps(runs))
+    proc = torchrun("tests/workers/recipe_runs.py", str(out), str(out / "runs.json"), nproc=nproc, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {name: torch.load(out / f"{name}.pt") for name in runs}
+
+
 def dry_run_refusal(*argv: str) -> str:
     """`train.py *argv --dry-run` in this process: it must stop with exit code 2, one
     error line and no traceback, and leave no process group behind. Returns the line."""
