@@ -8,6 +8,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One OpenMP thread for torch in the test process and in the processes it starts (torchrun
+# ranks already get one): the tests' models are tiny, and two threads on a 2-core machine
+# that is busy with anything else spin against each other -- the plain-PyTorch reference of
+# test_train.py took 27 s instead of 3 that way.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file: the variable came too late for it
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: dict | None = None,
              max_restarts: int = 0):
