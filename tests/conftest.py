@@ -30,6 +30,16 @@ def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: d
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def one_process(script: str, *args: str, timeout: int = 300):
+    """``script`` as a world of one without torchrun (parallel/mesh.py's init_distributed
+    starts the same one-rank process group), saving the launcher's own start-up."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:
     """One torchrun job of ``worker`` trains every named layout in turn (one start-up, not
     one per layout) and saves each result as OUT/NAME.pt; returns them by name."""
