@@ -142,10 +142,13 @@ def subprocess_env() -> dict:
 
 
 def train_cmd(device_type: str, out: Path, name: str, *extra: str) -> list[str]:
+    # The CPU smoke run (the test suite's) trains the same 20 steps on half the sequence:
+    # the same checks in half the time; the CUDA run keeps the config's length.
+    shorter = ["--training.seq_len=64"] if device_type == "cpu" else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
             str(ROOT / "train.py"), "--config", "debug_2d", f"--job.device={device_type}",
             "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.steps=20", "--metrics.log_freq=1",
-            f"--job.output_dir={out}", f"--job.name={name}", *extra]
+            *shorter, f"--job.output_dir={out}", f"--job.name={name}", *extra]
 
 
 def logged(out: Path, name: str, tag: str = "loss") -> list[float]:
@@ -204,22 +207,25 @@ def dry_run_argv(layers: int, ac: str, device_type: str) -> list[str]:
                    "--compile.enable=false", "--float8.enable=false"]
 
 
-def predict_peak_gib(layers: int, ac: str, device_type: str) -> float:
-    """The dry run's peak for one rank, in a subprocess (it needs a fake process group)."""
-    code = ("import json, sys; from training.config_loader import parse_args; from planning.dry_run import dry_run; "
-            "cfg, _ = parse_args(sys.argv[1:]); r = dry_run(cfg, 1); print('PEAK_BYTES', r['memory']['total'])")
-    env = subprocess_env()
-    proc = subprocess.run([sys.executable, "-c", code, *dry_run_argv(layers, ac, device_type)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PEAK_BYTES")), None)
-    if proc.returncode or line is None:
+def predict_peaks_gib(configs: list[tuple[int, str]], device_type: str) -> list[float]:
+    """The dry run's peak for one rank of each (layers, ac), in one subprocess (it needs a
+    fake process group; one Python start-up for them all)."""
+    code = ("import json, sys; from training.config_loader import parse_args; from planning.dry_run import dry_run\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    cfg, _ = parse_args(argv); r = dry_run(cfg, 1)\n"
+            "    print('PEAK_BYTES', r['memory']['total'], flush=True)")
+    argvs = [json.dumps([dry_run_argv(layers, ac, device_type) for layers, ac in configs])]
+    proc = subprocess.run([sys.executable, "-c", code, *argvs], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300 * len(configs))
+    peaks = [int(ln.split()[1]) / GIB for ln in proc.stdout.splitlines() if ln.startswith("PEAK_BYTES")]
+    if proc.returncode or len(peaks) != len(configs):
         raise RuntimeError(f"dry run failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return int(line.split()[1]) / GIB
+    return peaks
 
 
 def layers_that_fit(capacity_gib: float, fill: float, device_type: str) -> tuple[int, dict]:
     """Memory is linear in the layer count: two dry runs give intercept and slope."""
-    one, two = predict_peak_gib(1, "none", device_type), predict_peak_gib(2, "none", device_type)
+    one, two = predict_peaks_gib([(1, "none"), (2, "none")], device_type)
     per_layer, fixed = two - one, 2 * one - two
     layers = max(1, math.floor((fill * capacity_gib - fixed) / per_layer))
     return layers, {"fixed_gib": fixed, "per_layer_gib": per_layer, "capacity_gib": capacity_gib, "fill": fill}
@@ -420,8 +426,8 @@ def main(argv=None) -> dict:
             if not args.layers and args.device == "cuda":
                 layers, result["layer_choice"] = layers_that_fit(capacity, args.fill, "cuda")
             if "memory" not in args.skip:
-                for ac in sorted({ROWS[name][0] for name in args.rows if not ROWS[name][1]}):
-                    predictions[ac] = predict_peak_gib(layers, ac, args.device)
+                modes = sorted({ROWS[name][0] for name in args.rows if not ROWS[name][1]})
+                predictions = dict(zip(modes, predict_peaks_gib([(layers, ac) for ac in modes], args.device)))
         except Exception as err:  # the measurement still runs, at the default depth
             result["errors"]["dry run"] = f"{type(err).__name__}: {err}"
             layers = args.layers or (8 if args.device == "cuda" else 2)

@@ -8,6 +8,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One OpenMP thread for torch in the test process and in the processes it starts (torchrun
+# ranks already get one): the tests' models are tiny, and two threads on a 2-core machine
+# that is busy with anything else spin against each other -- the plain-PyTorch reference of
+# test_train.py took 27 s instead of 3 that way.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file: the variable came too late for it
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: dict | None = None,
              max_restarts: int = 0):
@@ -22,6 +30,16 @@ def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: d
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def one_process(script: str, *args: str, timeout: int = 300):
+    """``script`` as a world of one without torchrun (parallel/mesh.py's init_distributed
+    starts the same one-rank process group), saving the launcher's own start-up."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:
     """One torchrun job of ``worker`` trains every named layout in turn (one start-up, not
     one per layout) and saves each result as OUT/NAME.pt; returns them by name."""
@@ -31,6 +49,19 @@ def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:
     proc = torchrun(worker, str(out), *names, nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: torch.load(out / f"{name}.pt") for name in names}
+
+
+def recipe_runs(out: Path, runs: dict, nproc: int) -> dict:
+    """One torchrun job of tests/workers/recipe_runs.py trains each named `train.py` command
+    line in ``runs`` in turn (one start-up, not one per run); returns each result by name."""
+    import json
+
+    import torch
+
+    (out / "runs.json").write_text(json.dumps(runs))
+    proc = torchrun("tests/workers/recipe_runs.py", str(out), str(out / "runs.json"), nproc=nproc, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {name: torch.load(out / f"{name}.pt") for name in runs}
 
 
 def dry_run_refusal(*argv: str) -> str:

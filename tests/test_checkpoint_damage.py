@@ -5,6 +5,7 @@ leaves every complete checkpoint intact."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -31,11 +32,19 @@ def train(out, steps, *more):
                           text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.fixture
-def three(tmp_path):
-    """A run that saved steps 2, 4 and 6."""
-    proc = train(tmp_path, 6)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One run that saved steps 2, 4 and 6, trained once for the module."""
+    out = tmp_path_factory.mktemp("damage")
+    proc = train(out, 6)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "run"
+
+
+@pytest.fixture
+def three(trained, tmp_path):
+    """This test's own copy of that run (it damages it and trains on)."""
+    shutil.copytree(trained, tmp_path / "run")
     folder = tmp_path / "run" / "checkpoint"
     assert [s for s, _ in complete_checkpoints(folder)] == [2, 4, 6]
     return folder

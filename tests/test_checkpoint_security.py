@@ -4,6 +4,7 @@ a command refuses it, naming the file and the refused global, before anything ru
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -23,10 +24,18 @@ def run(*args, cwd=ROOT):
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture
-def checkpoint(tmp_path):
-    proc = run("train.py", *ARGS, f"--job.output_dir={tmp_path}", "--job.name=run")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One training run for the module (each test damages its own copy of it)."""
+    out = tmp_path_factory.mktemp("security")
+    proc = run("train.py", *ARGS, f"--job.output_dir={out}", "--job.name=run")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "run"
+
+
+@pytest.fixture
+def checkpoint(trained, tmp_path):
+    shutil.copytree(trained, tmp_path / "run")
     return tmp_path / "run" / "checkpoint" / "step-00000002"
 
 

@@ -30,7 +30,18 @@ def run_torchrun(script: str, *args: str) -> list[float]:
     return losses(proc.stdout)
 
 
+_single_runs: dict[tuple, list[float]] = {}
+
+
 def run_single(script: str, *args: str) -> list[float]:
+    """The one-process losses of ``script *args``, run once for the module (two tests
+    compare against each of them)."""
+    if (script, *args) not in _single_runs:
+        _single_runs[(script, *args)] = _run_single(script, *args)
+    return _single_runs[(script, *args)]
+
+
+def _run_single(script: str, *args: str) -> list[float]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,

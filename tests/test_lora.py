@@ -445,7 +445,7 @@ def test_a_resumed_lora_run_is_the_uninterrupted_one_and_exports_as_peft_and_mer
 
     from meshtrain.parallel.init import canonical_name
     from meshtrain.training.export import export, model_tensors
-    from tests.conftest import torchrun
+    from tests.conftest import one_process
 
     base, adapter = make_folders(tmp_path)
     argv = lambda name, steps: lora_argv(base, adapter, *TRAIN, "--parallelism.dp_shard=1", "--parallelism.tp=1",
@@ -453,7 +453,7 @@ def test_a_resumed_lora_run_is_the_uninterrupted_one_and_exports_as_peft_and_mer
                                          f"--training.steps={steps}", f"--job.output_dir={tmp_path / 'out'}",
                                          f"--job.name={name}")
     for name, steps in (("whole", 4), ("resumed", 2), ("resumed", 4)):
-        proc = torchrun("train.py", *argv(name, steps), nproc=1)
+        proc = one_process("train.py", *argv(name, steps))
         assert proc.returncode == 0, proc.stderr[-4000:]
     step4 = lambda name: tmp_path / "out" / name / "checkpoint" / "step-00000004"
     whole, resumed = dict(model_tensors(step4("whole"))), dict(model_tensors(step4("resumed")))
@@ -527,12 +527,12 @@ def test_a_llama_lora_run_exports_merged_to_transformers(tmp_path):
     from meshtrain.training import recipe
     from meshtrain.training.config_loader import parse_args
     from meshtrain.training.export import export, model_tensors
-    from tests.conftest import torchrun
+    from tests.conftest import one_process
 
     argv = ["--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--lora.enable=true",
             "--lora.target_modules=wq,wv,w2", "--training.steps=3", "--training.seq_len=32", "--optimizer.lr=1e-2",
             "--checkpoint.enable=true", f"--job.output_dir={tmp_path}", "--job.name=llama"]
-    proc = torchrun("train.py", *argv, nproc=1)
+    proc = one_process("train.py", *argv)
     assert proc.returncode == 0, proc.stderr[-4000:]
     step = tmp_path / "llama" / "checkpoint" / "step-00000003"
     with pytest.raises(ValueError, match="--format peft is for"):

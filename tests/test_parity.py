@@ -25,12 +25,24 @@ def _world(layout: str) -> int:
     return math.prod(parity.PP_LAYOUTS[layout][0].values())
 
 
+FAULT_LAYOUT = "pp2_dp2"  # pipeline + data parallel + micro-batches + clipping + schedule: every fault applies
+FAULTY = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS] + list(parity.MOE_FAULTS)
+
+
+def _world_of_run(name: str) -> int:
+    """LAYOUT or LAYOUT+FAULT: the world size its layout trains on (2-D layouts: 4)."""
+    layout = name.partition("+")[0]
+    return _world(layout) if layout in parity.PP_LAYOUTS else 4
+
+
 @pytest.fixture(scope="module")
 def pp_runs(tmp_path_factory):
-    """One torchrun job per world size, each training its pipeline layouts in turn."""
+    """One torchrun job per world size, each training its pipeline layouts in turn; the
+    faulty runs (test_parity_check_catches_each_fault and the MoE ones) come last in the
+    job of their world size."""
     out, runs = tmp_path_factory.mktemp("parity_pp"), {}
-    for nproc in sorted({_world(name) for name in parity.PP_LAYOUTS}):
-        names = [name for name in parity.PP_LAYOUTS if _world(name) == nproc]
+    for nproc in sorted({_world_of_run(name) for name in [*parity.PP_LAYOUTS, *FAULTY]}):
+        names = [name for name in [*parity.PP_LAYOUTS, *FAULTY] if _world_of_run(name) == nproc]
         runs.update(train_layouts("tests/workers/parity.py", out, names, nproc=nproc))
     return runs
 
@@ -126,16 +138,9 @@ def test_report_deviations(runs, pp_runs):
                   f"weights {d['final']:5.2f} ({d['worst_tensor']})  of K = {oracle.K}")
 
 
-FAULT_LAYOUT = "pp2_dp2"  # pipeline + data parallel + micro-batches + clipping + schedule: every fault applies
-
-
 @pytest.fixture(scope="module")
-def faulty_runs(tmp_path_factory):
-    names = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS] + list(parity.MOE_FAULTS)
-    assert all(_world(name.partition("+")[0]) == _world(FAULT_LAYOUT) for name in parity.MOE_FAULTS
-               if name.partition("+")[0] in parity.PP_LAYOUTS)  # one start-up: one world size
-    return train_layouts("tests/workers/parity.py", tmp_path_factory.mktemp("faults"), names,
-                         nproc=_world(FAULT_LAYOUT))
+def faulty_runs(pp_runs):
+    return {name: pp_runs[name] for name in FAULTY}
 
 
 @pytest.mark.parametrize("fault", parity.FAULTS)

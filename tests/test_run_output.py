@@ -2,6 +2,7 @@
 step, a rerun of a finished job that says there is nothing to do, a new run that gets its
 own TensorBoard curve, and a hint with the launch command when the world does not fit."""
 
+import shutil
 import subprocess
 import sys
 
@@ -28,8 +29,15 @@ def losses(folder):
     return {e.step: e.value for e in acc.Scalars("loss")}
 
 
-def test_saves_and_the_end_are_said_and_a_finished_job_has_nothing_to_do(tmp_path):
-    first = train(tmp_path, "--checkpoint.enable=true", "--checkpoint.interval=2")
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One 4-step run that saved steps 2 and 4, trained once for the module: (its folder, what it printed)."""
+    out = tmp_path_factory.mktemp("finished")
+    return out / "debug_2d", train(out, "--checkpoint.enable=true", "--checkpoint.interval=2")
+
+
+def test_saves_and_the_end_are_said_and_a_finished_job_has_nothing_to_do(finished, tmp_path):
+    run, first = finished
     saves = [line for line in first.splitlines() if line.startswith("meshtrain: saved step")]
     assert [line.split()[3] for line in saves] == ["2", "4"], first
     assert "step-00000004" in saves[-1]
@@ -39,15 +47,16 @@ def test_saves_and_the_end_are_said_and_a_finished_job_has_nothing_to_do(tmp_pat
     step_lines = [line for line in first.splitlines() if line.startswith("step ")]
     assert len(step_lines) == 4 and all(line.count("GiB") == 1 for line in step_lines), step_lines
 
+    shutil.copytree(run, tmp_path / run.name)  # the run folder as the finished job left it
     again = train(tmp_path, "--checkpoint.enable=true")
     assert "nothing to do" in again and "step 4" in again and "--training.steps 8" in again, again
     assert not any(line.startswith("step ") for line in again.splitlines())
     assert "done:" not in again
 
 
-def test_a_new_run_in_a_used_folder_gets_its_own_tensorboard_curve(tmp_path):
+def test_a_new_run_in_a_used_folder_gets_its_own_tensorboard_curve(finished, tmp_path):
+    shutil.copytree(finished[0], tmp_path / "debug_2d")  # a folder a 4-step run has used
     tb = tmp_path / "debug_2d" / "tb"
-    train(tmp_path)
     before = losses(tb)
     second = train(tmp_path, "--optimizer.lr=3e-3")  # a different run: a different curve
     earlier = [p for p in tb.iterdir() if p.is_dir() and p.name.startswith("earlier-")]

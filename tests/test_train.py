@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from meshtrain.training import recipe
 from tests import oracle, train_oracle
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT, recipe_runs, torchrun
 from meshtrain.training.config_loader import load_config
 
 
@@ -94,16 +94,21 @@ def test_debug_3d_trains_like_plain_pytorch(tmp_path, reference):
 
 @pytest.mark.slow
 def test_activation_checkpointing_and_cpu_offload_change_no_number_and_bf16_stays_close(tmp_path, reference):
-    # Recomputation and offloading move work and memory, not numbers.
-    ac = _run(tmp_path, "ac", 4, "--activation_checkpoint.mode=full", "--parallelism.sharding_strategy=SHARD_GRAD_OP",
-              "--parallelism.cpu_offload=true", *SAVE_LAST)
-    train_oracle.assert_run_matches(ac, reference, "ac + cpu offload")
+    # Recomputation and offloading move work and memory, not numbers. The three runs share
+    # one torchrun start-up (tests/workers/recipe_runs.py: train.py's recipe and data).
+    runs = recipe_runs(tmp_path, {
+        "ac": _args(tmp_path, "ac", "--activation_checkpoint.mode=full",
+                    "--parallelism.sharding_strategy=SHARD_GRAD_OP", "--parallelism.cpu_offload=true"),
+        "bf16": _args(tmp_path, "bf16", "--training.mixed_precision_param=bfloat16"),
+        # TP alone has no data-parallel dimension: FSDP runs over a one-rank one for the bf16.
+        "bf16_tp": _args(tmp_path, "bf16_tp", "--training.mixed_precision_param=bfloat16",
+                         "--parallelism.dp_shard=1", "--parallelism.tp=4"),
+    }, nproc=4)
+    ac = runs["ac"]
+    oracle.assert_matches(ac["losses"], ac["grad_norms"], ac["final"], reference, "ac + cpu offload")
     fp32 = torch.tensor(reference.fp32.losses)
-    bf16 = _losses(tmp_path, "bf16", 4, "--training.mixed_precision_param=bfloat16")
-    # TP alone has no data-parallel dimension: FSDP runs over a one-rank one for the bf16.
-    bf16_tp = _losses(tmp_path, "bf16_tp", 4, "--training.mixed_precision_param=bfloat16",
-                      "--parallelism.dp_shard=1", "--parallelism.tp=4")
-    for run in (bf16, bf16_tp):
+    for name in ("bf16", "bf16_tp"):
+        run = torch.tensor(runs[name]["losses"], dtype=fp32.dtype)
         # bf16 keeps 8 significant bits (a relative step of 2^-8 = 0.4 %) in every matmul
         # input; the fp32 loss over 4 blocks stays within 1 %.
         torch.testing.assert_close(run, fp32, rtol=1e-2, atol=0)
