@@ -154,6 +154,33 @@ def test_a_killed_worker_ends_the_preparation_with_a_message_instead_of_a_hang(c
     assert not (tmp_path / "out" / INDEX).exists()
 
 
+TERMINATED = r"""
+import os, signal, time
+from concurrent.futures import ProcessPoolExecutor
+from meshtrain.training import prepare_data
+def busy(_):
+    end = time.time() + 10
+    while time.time() < end:
+        sum(range(1000))
+signal.signal(signal.SIGTERM, signal.default_int_handler)  # as prepare-data's main installs it
+pool = ProcessPoolExecutor(1, initializer=prepare_data._quiet_worker)
+pool.submit(busy, 0)
+time.sleep(1.0)
+for pid in list(pool._processes):
+    os.kill(pid, signal.SIGTERM)  # what the executor does to the workers left when another dies
+time.sleep(1.0)
+os._exit(0)
+"""
+
+
+def test_a_worker_terminated_mid_chunk_dies_silently():
+    """A worker busy in Python when the broken pool terminates it: with the parent's SIGTERM
+    handler inherited it raised KeyboardInterrupt, printing a traceback (seen under load in
+    the killed-worker test) or leaving the pool hanging (this test then times out)."""
+    proc = subprocess.run([sys.executable, "-c", TERMINATED], capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("encoding,bom", [("utf-16", True), ("utf-16-le", False), ("utf-32", True)])
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
 def test_text_that_is_not_utf8_is_refused_naming_the_file(tmp_path, capsys, encoding, bom, suffix):

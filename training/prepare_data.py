@@ -87,6 +87,14 @@ class Progress:
               file=sys.stderr, flush=True)
 
 
+def _quiet_worker() -> None:
+    """A worker leaves Ctrl-C to the parent, and dies silently when the pool ends it: it
+    inherits (fork) the parent's SIGTERM handler, which raises KeyboardInterrupt, so a
+    worker terminated mid-chunk after another was killed printed a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _results(units, spec, text_key, dtype, workers, tokenize=None):
     """Each unit's ``tokenize`` (default tokenize_unit) result, in order, from at most
     2 x workers units in flight."""
@@ -96,7 +104,7 @@ def _results(units, spec, text_key, dtype, workers, tokenize=None):
         return
     # concurrent.futures, not multiprocessing.Pool: a worker killed by the system (the OOM
     # killer) breaks the pool and every pending result raises, where Pool waits forever.
-    pool = ProcessPoolExecutor(workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    pool = ProcessPoolExecutor(workers, initializer=_quiet_worker)
     try:
         todo, pending = iter(units), deque()
         for unit in todo:
