@@ -16,8 +16,16 @@
 4. memory: the dry run's predicted peak for each eager row's exact config, next to
    torch.cuda.max_memory_allocated / max_memory_reserved.
 5. document masking: tokens/s of a packed, document-masked step next to the causal step
-   (bench/document_masking.py: 2 Llama-3-8B-shaped blocks, bf16, seq 2048 and 8192; one
-   short sequence on CPU). Target: masked >= 0.95x causal.
+   (bench/document_masking.py: 8 Llama-3-8B-shaped blocks, bf16, seq 2048 and 8192; one
+   short sequence on CPU). Target: masked >= 0.95x causal. On CUDA also the boolean SDPA
+   mask beside FlexAttention, the two kernels' agreement, and train.py with masking under
+   op-level activation checkpointing and under torch.compile.
+6. mixture of experts: bench/moe_grouped_mm.py's expert kernels (loop / grouped / padded,
+   up to a Qwen3-30B-A3B layer, bf16) and a train.py step of 3 Qwen3-30B-A3B-shaped MoE
+   blocks (seq 4096, bf16): tokens/s and MFU on active parameters. CPU: the smallest kernel
+   shape only.
+7. operations (CUDA only): a [profiling] window writes its trace and the allocator's
+   history pickle; a run made to run out of GPU memory writes rank0_oom.pickle and names it.
 
 Writes DIR/gpu_check.json, DIR/gpu_check.md and DIR/profile.txt (the top kernels of one
 compiled step). A row that would overrun ``--budget`` seconds is reported as skipped,
@@ -74,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", default="", help="comma-separated row names or 'eager' / 'compile' "
                    f"(default: all; eager rows on CPU). Rows: {'; '.join(ROWS)}")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: checks, throughput, memory, "
-                   "document_masking")
+                   "document_masking, moe, operations")
     p.add_argument("--budget", type=float, default=530.0, help="seconds for the whole command: rows that "
                    "would not finish in time are skipped")
     args = p.parse_args(argv)
@@ -323,6 +331,107 @@ def masking_rows(device: torch.device, deadline: float) -> list[dict]:
     return rows
 
 
+def masked_training_runs(out: Path) -> dict:
+    """CUDA: train.py with document masking (FlexAttention) under op-level activation
+    checkpointing and under torch.compile, side by side: exit codes and losses."""
+    env = subprocess_env()
+    variants = {"ac_op": ("--activation_checkpoint.mode=op",), "compile": ("--compile.enable=true",)}
+    procs = {name: subprocess.Popen(train_cmd("cuda", out, f"masked_{name}", "--training.document_masking=true",
+                                              *flags), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for name, flags in variants.items()}
+    result = {}
+    for name, proc in procs.items():
+        log = proc.communicate(timeout=300)[0]
+        result[name] = ({"losses": logged(out, f"masked_{name}")} if proc.returncode == 0 else
+                        {"error": f"exit {proc.returncode}: {log[-1500:]}"})
+    return result
+
+
+# ---------------------------------------------------------------- 6. mixture of experts
+
+# Qwen3-30B-A3B's shape cut to 3 blocks (1.87 B parameters) so fp32 master
+# weights and AdamW state fit one 80 GB GPU; the flavor's own routing (top 8 of 128).
+MOE_STEP = ["--config", "moe_debug", "--model.flavor=qwen3_30b_a3b", "--model.n_layers=3", "--moe.top_k=8",
+            "--moe.balance_loss_coef=0.001", "--moe.bias_update_rate=0", "--training.seq_len=4096",
+            "--training.global_batch_size=2", "--training.local_batch_size=2", "--training.steps=12",
+            "--training.mixed_precision_param=bfloat16", "--parallelism.dp_shard=1", "--metrics.log_freq=1"]
+
+
+def moe_rows(device: torch.device, out: Path, deadline: float) -> dict:
+    """The expert kernels side by side, then (CUDA) an MoE training step's tokens/s and MFU."""
+    from bench import moe_grouped_mm
+
+    if deadline - time.perf_counter() < 60:
+        return {"skipped": "the --budget is spent"}
+    cuda = device.type == "cuda"
+    result = {}
+    try:
+        shapes = moe_grouped_mm.GPU_SHAPES if cuda else moe_grouped_mm.SHAPES[:1]
+        result["kernels"] = moe_grouped_mm.measure(device, torch.bfloat16 if cuda else torch.float32, shapes,
+                                                   repeats=5 if cuda else 1)
+    except Exception as err:
+        result["kernels_error"] = f"{type(err).__name__}: {err}"
+    if not cuda:
+        result["step"] = {"skipped": "CUDA only (the MoE step is tested on CPU by tests/test_parity.py)"}
+        return result
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ROOT / "train.py"),
+           *MOE_STEP, "--job.device=cuda", f"--job.output_dir={out}", "--job.name=moe"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        result["step"] = {"error": f"train.py exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}"}
+        return result
+    steady = slice(2, None)  # the first two steps allocate and warm up
+    tps, mfu = logged(out, "moe", "tokens_per_second")[steady], logged(out, "moe", "mfu")[steady]
+    peak = logged(out, "moe", "peak_gib")[steady]
+    result["step"] = {"seq_len": 4096, "batch": 2, "layers": 3, "steps_timed": len(tps),
+                      "tokens_per_second": sorted(tps)[len(tps) // 2], "mfu_active": sorted(mfu)[len(mfu) // 2],
+                      "peak_gib": max(peak), "losses": logged(out, "moe"),
+                      "parameters_line": next((ln for ln in proc.stdout.splitlines() if "parameters" in ln), "")}
+    return result
+
+
+# ---------------------------------------------------------------- 7. operations
+
+def operations_checks(device_type: str, out: Path) -> dict:
+    """[profiling]'s CUDA memory history, and the snapshot an out-of-memory error leaves."""
+    import pickle
+
+    if device_type != "cuda":
+        return {"skipped": "CUDA only (the CPU profiler and the hang report are tested by the suite)"}
+    env, result = subprocess_env(), {}
+    window = ("--profiling.enable=true", "--profiling.start_step=5", "--profiling.steps=2")
+    proc = subprocess.run(train_cmd("cuda", out, "profiled", *window), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    folder = out / "profiled" / "profile"
+    trace, history = folder / "rank0_steps5-6.pt.trace.json", folder / "rank0_steps5-6_memory.pickle"
+    result["profiled_exit"] = proc.returncode
+    result["trace_has_steps"] = trace.exists() and '"meshtrain step 5"' in trace.read_text()
+    if history.exists():
+        snapshot = pickle.loads(history.read_bytes())
+        result["history_events"] = sum(len(t) for t in snapshot.get("device_traces", []))
+        result["history_segments"] = len(snapshot.get("segments", []))
+    # 64 x 8192 tokens through 16 blocks of dim 2048: activations of terabytes, out of memory
+    # inside the first forward, with a [profiling] window over that step to record the history.
+    oom = ("--model.flavor=1B", "--model.vocab_size=512", "--training.seq_len=8192",
+           "--training.global_batch_size=64", "--training.local_batch_size=64",
+           "--profiling.enable=true", "--profiling.start_step=1", "--profiling.steps=1")
+    proc = subprocess.run(train_cmd("cuda", out, "oom", *oom), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    snapshot_path = out / "oom" / "profile" / "rank0_oom.pickle"
+    said = next((ln for ln in (proc.stdout + proc.stderr).splitlines() if "ran out of GPU memory" in ln), "")
+    result["oom_exit"] = proc.returncode
+    result["oom_message"] = said.split("meshtrain: ", 1)[-1].replace(str(out), "RUN")
+    result["oom_message_names_file"] = "rank0_oom.pickle" in said
+    if snapshot_path.exists():
+        snapshot = pickle.loads(snapshot_path.read_bytes())
+        result["oom_snapshot_segments"] = len(snapshot.get("segments", []))
+        result["oom_snapshot_reserved_gib"] = sum(seg["total_size"] for seg in snapshot.get("segments", [])) / GIB
+        result["oom_history_events"] = sum(len(t) for t in snapshot.get("device_traces", []))
+    if not said:
+        result["oom_tail"] = (proc.stdout + proc.stderr)[-1500:]
+    return result
+
+
 # ---------------------------------------------------------------- report
 
 def markdown(result: dict) -> str:
@@ -367,15 +476,44 @@ def markdown(result: dict) -> str:
         lines.append("")
     if result.get("document_masking"):
         lines += ["## Document masking (packed documents vs causal)", "",
-                  "| seq | documents / sequence | causal tokens/s | masked tokens/s | masked / causal |",
-                  "|---:|---:|---:|---:|---:|"]
+                  "| seq | documents / sequence | causal tokens/s | masked tokens/s | masked / causal "
+                  "| SDPA bool mask tokens/s | SDPA mask / causal | flex vs SDPA (out, grad) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in result["document_masking"]:
             if "seq_len" not in r:
-                lines.append(f"| {r.get('skipped') or r.get('error')} | | | | |")
+                lines.append(f"| {r.get('skipped') or r.get('error')} | | | | | | | |")
                 continue
+            agree = r.get("flex_vs_sdpa")
+            agree = f"{agree['output_rel']:.1e}, {agree['grad_rel']:.1e}" if agree else "n/a"
             lines.append(f"| {r['seq_len']} | {r['documents_per_sequence']:.1f} | {r['causal_tokens_per_second']:,.0f} | "
-                         f"{r['masked_tokens_per_second']:,.0f} | {r['masked_over_causal']:.3f} |")
+                         f"{r['masked_tokens_per_second']:,.0f} | {r['masked_over_causal']:.3f} | "
+                         f"{_num(r.get('masked_sdpa_tokens_per_second'), ',.0f')} | "
+                         f"{_num(r.get('masked_sdpa_over_causal'), '.3f')} | "
+                         f"{agree} |")
         lines.append("")
+    moe = result.get("moe") or {}
+    if moe.get("kernels"):
+        lines += ["## Mixture of experts: one layer's experts, forward + backward (ms)", "",
+                  "| tokens x k | dim | hidden | experts | max/mean | loop | grouped | padded |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in moe["kernels"]:
+            lines.append(f"| {r['tokens']} x {r['top_k']} | {r['dim']} | {r['hidden']} | {r['experts']} | "
+                         f"{r['max_over_mean']:.2f} | {_num(r['loop_ms'], '.1f')} | {_num(r['grouped_ms'], '.1f')} | "
+                         f"{_num(r['padded_ms'], '.1f')} |")
+        lines.append("")
+    step = moe.get("step") or {}
+    if "tokens_per_second" in step:
+        lines += [f"MoE step (3 Qwen3-30B-A3B blocks, seq {step['seq_len']}, batch {step['batch']}, bf16): "
+                  f"**{step['tokens_per_second']:,.0f} tokens/s**, MFU on active parameters "
+                  f"**{step['mfu_active']:.1f}%**, peak {step['peak_gib']:.1f} GiB.", ""]
+    ops = result.get("operations") or {}
+    if "oom_exit" in ops:
+        lines += ["## Operations", "",
+                  f"- [profiling] window: trace lists the steps **{ops['trace_has_steps']}**; allocator history "
+                  f"events {ops.get('history_events')}",
+                  f"- out of memory: exit {ops['oom_exit']}, message names the snapshot "
+                  f"**{ops['oom_message_names_file']}**; snapshot segments {ops.get('oom_snapshot_segments')}, "
+                  f"history events {ops.get('oom_history_events')}", ""]
     for section, err in result.get("errors", {}).items():
         lines += [f"**{section} failed:** `{err.splitlines()[-1] if err else ''}`", ""]
     lines.append(f"Whole command: {result['seconds']:.0f} s.")
@@ -447,6 +585,20 @@ def main(argv=None) -> dict:
                         "max_reserved_gib": ours.get("peak_reserved_gib")})
         if "document_masking" not in args.skip:
             result["document_masking"] = masking_rows(device, deadline)
+            if args.device == "cuda":
+                result["document_masking_runs"] = masked_training_runs(work / "masked")
+                print(f"gpu_check: masked training runs {result['document_masking_runs']}", flush=True)
+            save(result, args.out)
+        if "moe" not in args.skip:
+            result["moe"] = moe_rows(device, work / "moe", deadline)
+            print(f"gpu_check: moe {result['moe']}", flush=True)
+            save(result, args.out)
+        if "operations" not in args.skip:
+            try:
+                result["operations"] = operations_checks(args.device, work / "ops")
+            except Exception as err:
+                result["errors"]["operations"] = f"{type(err).__name__}: {err}"
+            print(f"gpu_check: operations {result.get('operations')}", flush=True)
             save(result, args.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

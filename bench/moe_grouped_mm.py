@@ -64,18 +64,17 @@ def timed(fn, device, repeats):
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+# A Qwen3-30B-A3B layer (128 experts of 768, top 8, dim 2048) on 8192 tokens: GPU only.
+GPU_SHAPES = SHAPES + [(8192, 2048, 768, 128, 8)]
+PATHS = {"loop": looped_linear, "grouped": grouped_linear_mm, "padded": padded_linear}
+
+
+def measure(device: torch.device, dtype: torch.dtype, shapes, repeats: int = 5) -> list[dict]:
+    """One row per shape: each path's median forward + backward in ms (None where the device
+    or dtype has no kernel for it, the error beside it)."""
     g = torch.Generator().manual_seed(0)
-    paths = {"loop": looped_linear, "grouped": grouped_linear_mm, "padded": padded_linear}
-    print(f"{'tokens x k':>11s} {'dim':>5s} {'hidden':>6s} {'E':>4s} {'max/mean':>8s}  "
-          + "  ".join(f"{name + ' ms':>10s}" for name in paths))
-    for tokens, dim, hidden, n_experts, k in SHAPES:
+    rows = []
+    for tokens, dim, hidden, n_experts, k in shapes:
         weights = 1.0 / torch.arange(1, n_experts + 1)
         chosen = torch.multinomial(weights.expand(tokens, -1), k, generator=g)
         counts = torch.bincount(chosen.flatten(), minlength=n_experts).to(device)
@@ -84,17 +83,37 @@ def main() -> None:
                   for _ in range(2))
         w2 = torch.randn(n_experts, dim, hidden, generator=g).mul(0.02).to(device, dtype).requires_grad_()
         upstream = torch.randn(tokens * k, dim, generator=g).to(device, dtype)
-        row = []
-        for name, linear in paths.items():
+        row = {"tokens": tokens, "top_k": k, "dim": dim, "hidden": hidden, "experts": n_experts,
+               "max_over_mean": counts.max().item() / counts.float().mean().item(), "errors": {}}
+        for name, linear in PATHS.items():
             def step():
                 (experts(linear, x, w1, w2, w3, counts) * upstream).sum().backward()
             try:
-                row.append(f"{timed(step, device, args.repeats) * 1e3:10.1f}")
+                row[f"{name}_ms"] = timed(step, device, repeats) * 1e3
             except RuntimeError as err:  # a path this device or dtype has no kernel for
-                row.append(f"{'n/a':>10s}")
-                print(f"  {name}: {str(err).splitlines()[0]}")
-        skew = counts.max().item() / counts.float().mean().item()
-        print(f"{tokens:>6d} x {k:<2d} {dim:5d} {hidden:6d} {n_experts:4d} {skew:8.2f}  " + "  ".join(row))
+                row[f"{name}_ms"] = None
+                row["errors"][name] = str(err).splitlines()[0]
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    shapes = GPU_SHAPES if device.type == "cuda" else SHAPES
+    print(f"{'tokens x k':>11s} {'dim':>5s} {'hidden':>6s} {'E':>4s} {'max/mean':>8s}  "
+          + "  ".join(f"{name + ' ms':>10s}" for name in PATHS))
+    for r in measure(device, dtype, shapes, args.repeats):
+        for name, err in r["errors"].items():
+            print(f"  {name}: {err}")
+        cells = "  ".join(f"{r[name + '_ms']:10.1f}" if r[name + "_ms"] is not None else f"{'n/a':>10s}"
+                          for name in PATHS)
+        print(f"{r['tokens']:>6d} x {r['top_k']:<2d} {r['dim']:5d} {r['hidden']:6d} {r['experts']:4d} "
+              f"{r['max_over_mean']:8.2f}  " + cells)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from einops import rearrange
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from meshtrain.parallel.mesh import LayoutError
 
@@ -72,7 +73,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: S
     the whole sequence first when ``split`` (context parallelism) is given, and back after.
     ``rotate(q, k)``: position encoding applied to the whole sequence (so with global
     positions), e.g. rotary. ``mask``: a boolean [b, 1, s, s] over the *whole* sequence
-    (models/documents.py), used instead of the plain causal mask; under context
+    (models/documents.py), or the same as a FlexAttention BlockMask (CUDA), used instead
+    of the plain causal mask; under context
     parallelism it holds as it is, since each rank attends over the whole sequence."""
     if split is not None:
         q, k, v = split.heads_for_sequence(q, k, v)
@@ -81,10 +83,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: S
     q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
     if mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
+    elif isinstance(mask, BlockMask):  # packed documents on CUDA: the blocks across documents skipped
+        out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=sdpa_kwargs.get("enable_gqa", False))
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
     out = rearrange(out, "b h s d -> b s h d")
     return split.sequence_for_heads(out) if split is not None else out
+
+
+_flex = None
+
+
+def compiled_flex_attention():
+    """flex_attention compiled once per process: uncompiled it materialises the whole score
+    matrix, the cost it exists to avoid."""
+    global _flex
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return _flex
 
 
 def kv_repeats(q_heads: int, kv_heads: int, cp: int) -> int:

@@ -436,3 +436,25 @@ def test_packed_runs_in_every_layout_equal_each_record_alone_in_one_process(layo
         for key, want in want_grads.items():
             assert torch.allclose(got["grads"][key], want, rtol=1e-4, atol=1e-6 * scale), (name, key)
         assert abs(got["val/loss"] - want_loss) <= 1e-5 * want_loss, (name, got["val/loss"], want_loss)
+
+
+def test_flex_block_mask_allows_exactly_what_the_boolean_mask_allows():
+    """CUDA runs packed documents through FlexAttention with document_block_mask; CPU (these
+    tests) through SDPA with document_bool_mask. The block mask's rule, expanded to every
+    (query, key) pair by torch's own create_mask, equals the boolean mask, and torch's
+    eager flex_attention under it equals SDPA under the boolean mask (forward: FlexAttention
+    has no CPU backward). bench/gpu_check.py compares the compiled kernels' outputs and
+    gradients on a GPU. Fails if the rule lets a query see a later key or another document."""
+    from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+    from meshtrain.models.documents import document_block_mask, document_bool_mask
+
+    g = torch.Generator().manual_seed(0)
+    positions = torch.cat([torch.arange(n) for n in (5, 40, 1, 90, 120)]).view(2, 128)
+    bool_mask = document_bool_mask(positions)
+    block = document_block_mask(positions)
+    assert torch.equal(create_mask(block.mask_mod, 2, 1, 128, 128, device="cpu"), bool_mask)
+    q = torch.randn(2, 4, 128, 16, generator=g)
+    k, v = (torch.randn(2, 2, 128, 16, generator=g) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask, enable_gqa=True)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=block, enable_gqa=True), ref)
