@@ -8,6 +8,7 @@ is allocated.
 Each file has one concern; imports go one way, from the bottom of this list to the top
 (tests/test_imports.py checks it). Below all of it, physics/gpus.py holds the GPUs.
 
+    hardware.py     the cluster: NVLink, NICs per node, NCCL's collective algorithms and latencies
     shape.py        what is planned: the model's sizes, the job (a layout is parallel's ParallelDims)
     schedule.py     torch's pipeline schedules as lists of forwards and backwards
     kernels.py      compute seconds of a block, op class by op class

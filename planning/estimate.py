@@ -22,6 +22,7 @@ from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.physics.flops import flops_per_token  # the FLOPs train.py reports MFU with
 from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+from meshtrain.planning import hardware
 from meshtrain.planning.memory import Memory, memory_per_gpu
 from meshtrain.planning.report import format_breakdown
 from meshtrain.planning.shape import PLANNED_SCHEDULES, Job, ModelShape
@@ -39,6 +40,20 @@ class Estimate:
     times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, optimizer
     fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
     compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
+    warnings: list[str] = field(default_factory=list)  # what the layout does that a user should know
+
+
+def network_warnings(job: Job, lay: ParallelDims) -> list[str]:
+    """TP (and CP) groups larger than a node: train.py accepts them (with a warning), the
+    estimate prices their collectives over the network; the report says so."""
+    net, out = job.net, []
+    for dim, size, stride in (("tp", lay.tp, 1), ("cp", lay.cp, lay.tp)):
+        if net.nodes_spanned(size, stride) > 1:
+            out.append(f"{dim}={size} spans {net.nodes_spanned(size, stride)} nodes of {job.gpus_per_node} GPUs: "
+                       f"its collectives (several per block, on the critical path) cross the network, priced at "
+                       f"{net.bus_bandwidth(size, stride) / 1e9:.0f} GB/s per GPU, not NVLink's "
+                       f"{net.bus_bandwidth(1, 1) / 1e9:.0f}")
+    return out
 
 
 def estimate(job: Job, lay: ParallelDims) -> Estimate:
@@ -50,7 +65,7 @@ def estimate(job: Job, lay: ParallelDims) -> Estimate:
     return Estimate(
         layout=lay, memory=memory_per_gpu(job, lay), step_time=t.seconds, tokens_per_s_per_gpu=tps,
         mfu=tps * model_flops / job.gpu.peak_bf16_flops, comm_bytes=t.comm_bytes, times=t.times,
-        fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split)
+        fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split, warnings=network_warnings(job, lay))
 
 
 # ---------------------------------------------------------------- a train.py config
@@ -59,7 +74,7 @@ class NotModelled(ValueError):
     """The config uses something the formulas do not cover; the message says what."""
 
 
-def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node: int, gpu) -> Job:
+def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node: int, gpu, topology=None) -> Job:
     """The planner's Job for a train.py config whose layout train.py resolved
     (training.recipe.plan_layout: the layout the planner then estimates, as it is) and whose
     model it built (``model``, on meta). NotModelled for what the formulas lack."""
@@ -86,17 +101,18 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
     trainable = sum(n for n, grad in counts if grad) / sum(n for n, _ in counts)
     return Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
                compiled=cfg.compile.enable, trainable=trainable,
-               lora=(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.enable else ())
+               lora=(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.enable else (),
+               topology=dataclasses.replace(topology, gpus_per_node=per_node) if topology else None)
 
 
-def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu) -> Estimate:
+def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu, topology=None) -> Estimate:
     """Build the config's model on meta and resolve its layout as train.py does (every
     check applies), then estimate it. Raises NotModelled for what the formulas lack."""
     from meshtrain.training import recipe
 
     model = recipe.build_model(cfg, tokenizer_vocab=1)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
-    return estimate(planner_job(cfg, layout, model, world_size, gpus_per_node, gpu), layout)
+    return estimate(planner_job(cfg, layout, model, world_size, gpus_per_node, gpu, topology), layout)
 
 
 def as_dict(e: Estimate, gpu) -> dict:
@@ -105,7 +121,7 @@ def as_dict(e: Estimate, gpu) -> dict:
                                                             "transient")} | {"total": m.total / GIB},
             "usable_gib": usable_bytes(gpu) / GIB, "headroom": HEADROOM, "fits": m.total <= usable_bytes(gpu),
             "step_seconds": e.step_time, "times": e.times, "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
-            "mfu": e.mfu, "sent_gb_per_gpu": {k: v / 1e9 for k, v in e.comm_bytes.items()}}
+            "mfu": e.mfu, "sent_gb_per_gpu": {k: v / 1e9 for k, v in e.comm_bytes.items()}, "warnings": e.warnings}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
+    hardware.add_arguments(ap)
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = ap.parse_args(argv)
     try:
@@ -125,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             gpu = get_gpu(args.gpu)
         except KeyError as err:  # only the GPU's name: a KeyError elsewhere is a bug
             raise ConfigError(f"--gpu {args.gpu}: {err.args[0]}") from None
+        net = hardware.from_arguments(args, gpu, args.gpus_per_node)
         cfg = load_config(args.config)
-        e = estimate_config(cfg, args.world_size, args.gpus_per_node, gpu)
-    except (ConfigError, LayoutError, NotModelled) as err:
+        e = estimate_config(cfg, args.world_size, args.gpus_per_node, gpu, net)
+    except (ConfigError, LayoutError, NotModelled, hardware.TopologyError) as err:
         print(f"meshtrain: error: {err}", file=sys.stderr)
         return 2
     if args.json:
@@ -135,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_breakdown(e, gpu, f"{cfg.job.name} at {args.world_size} ranks on {gpu.name}"))
         print(f"  throughput: {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%}")
-        print(f"  error bands (docs/planning.md, Validation): memory within 10% of the dry run's trace "
-              f"over the tested grid; step time 7-14% optimistic against measured single-H100 runs, "
-              f"within 7% of Megatron-LM's pipelined runs, up to 31% optimistic for small GEMMs and "
-              f"41-76% against torchtitan's 500 W H100s")
+        print("  error bands: docs/planning.md, Validation (measured and published runs beside these estimates)")
     return 0
 
 

@@ -20,6 +20,7 @@ import sys
 
 from meshtrain.models import registry
 from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
+from meshtrain.planning import hardware
 from meshtrain.planning.report import describe, format_breakdown, format_table, to_toml
 from meshtrain.planning.search import LONG_SEQ, plan
 from meshtrain.planning.shape import Job, ModelShape
@@ -69,6 +70,7 @@ def parse_args(argv):
     p.add_argument("--efficiency", type=float,
                    help="fraction of the bf16 peak compute reaches (default: the GPU's measured "
                         "large-matmul fraction, an upper bound for a whole step)")
+    hardware.add_arguments(p)
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--write", metavar="PATH.toml", help="write the best layout as a train.py config")
     p.add_argument("--verify", type=int, default=0, metavar="K",
@@ -99,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.efficiency <= 1:
             raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1]")
         gpu = dataclasses.replace(gpu, matmul_efficiency=args.efficiency)
-    job = Job(resolve_model(args.model), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch)
+    try:
+        net = hardware.from_arguments(args, gpu, args.gpus_per_node)
+    except hardware.TopologyError as err:
+        raise PlanError(str(err)) from None
+    job = Job(resolve_model(args.model), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
+              topology=net)
     if job.model.max_positions and args.seq_len > job.model.max_positions:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
                         f"learned positions, which train.py refuses; use --seq-len <= {job.model.max_positions}")
@@ -111,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
           f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: matmuls at {gpu.matmul_efficiency:.0%} "
           f"of it, flash attention at {gpu.attention_efficiency:.0%}, memory-bound work at "
-          f"{gpu.hbm_bandwidth / 1e12:.1f} TB/s. Estimates, not measurements (docs/planning.md, Validation).")
+          f"{gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "
+          f"(docs/planning.md, Validation).")
     if not fitting and smallest is None:
         reasons = "; ".join(f"{why} ({n} layouts)" for why, n in rejected.most_common(3))
         raise PlanError(f"no valid layout for {job.world} GPUs: {reasons}")

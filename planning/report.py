@@ -52,6 +52,7 @@ def format_breakdown(e, gpu, title: str = "Best") -> str:
                  + "  (matmuls, flash attention, memory-bound element-wise work: planning/kernels.py)")
     lines.append(f"  FSDP collectives take {e.fsdp_comm_time:.2f} s, {e.fsdp_comm_time / e.times['compute']:.0%} "
                  f"of the compute they are assumed to hide behind")
+    lines += [f"  WARNING: {w}" for w in e.warnings]
     return "\n".join(lines)
 
 

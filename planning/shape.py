@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from meshtrain.models import registry
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.physics.gpus import GPU
+from meshtrain.planning.hardware import Topology, default_topology
 
 # The pipeline schedules the planner searches and estimates, of all parallel's
 # (parallel/vocabulary.py): 1F1B and its interleaved form. GPipe and LoopedBFS have their
@@ -100,10 +101,15 @@ class Job:
     # no gradient and no optimizer state (its fp32 shards are kept: they are the weights).
     trainable: float = 1.0
     lora: tuple = ()  # (rank, alpha, target_modules) of [lora], for the activation probe
+    topology: Topology | None = None  # the links; None: a DGX / HGX-class node of `gpu` (planning/hardware.py)
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def net(self) -> Topology:
+        return self.topology or default_topology(self.gpu, self.gpus_per_node)
 
 
 def rank_batch(job: Job, lay: ParallelDims) -> int:

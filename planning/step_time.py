@@ -3,7 +3,8 @@ mesh dimension sends per step and how much of it compute hides, the pipeline bub
 torch's own schedule (planning/schedule.py), and the optimizer. docs/planning.md derives
 every term; docs/planning.md, Validation, says how far it is from measured steps.
 
-Links are physics/gpus.py's: a group that leaves the node runs at the inter-node speed.
+Links are planning/hardware.py's: each collective costs NCCL's latency for its algorithm
+plus its bytes over what its group gets of NVLink and of the node's NICs.
 """
 
 from __future__ import annotations
@@ -54,15 +55,16 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     on its critical path, the pipeline bubble, the FSDP traffic compute does not hide, and
     the optimizer."""
     m, gpu, s, b, t, cp = job.model, job.gpu, job.seq_len, lay.micro_batch, lay.tp, lay.cp
-    g, n_mb = job.gpus_per_node, forwards_per_step(job, lay)
+    n_mb = forwards_per_step(job, lay)
     shares = rank_shares(job, lay)
     act = BF16 * s // cp * b * m.dim         # one micro-batch's hidden states, this rank's tokens
     # The mesh is pp x dp_replicate x dp_shard x cp x tp: cp groups stride tp, FSDP's
     # (dp_shard x cp) too, replicas tp x dp_shard x cp.
-    bw_dp = gpu.inter_node_bw if spans_nodes(t, lay.fsdp_shard, g) else gpu.intra_node_bw
-    bw_rep = gpu.inter_node_bw if spans_nodes(t * lay.fsdp_shard, lay.dp_replicate, g) else gpu.intra_node_bw
-    bw_pp = gpu.inter_node_bw if spans_nodes(t * lay.dp * cp, lay.pp, g) else gpu.intra_node_bw
-    bw_cp = gpu.inter_node_bw if spans_nodes(t, cp, g) else gpu.intra_node_bw
+    # (size, stride) of each dimension's groups; a collective's time is net.seconds' (latency
+    # of NCCL's algorithm + bytes over NVLink / the node's NICs, planning/hardware.py).
+    net = job.net
+    tp_g, cp_g, pp_g = (t, 1), (cp, t), (lay.pp, t * lay.dp * cp)
+    dp_g, rep_g = (lay.fsdp_shard, t), (lay.dp_replicate, t * lay.fsdp_shard)
 
     per_mb, tp_bytes, pp_bytes, cp_bytes, fsdp, parts = [], [], [], [], [], []
     for share in shares:
@@ -89,13 +91,17 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         # CP: per block the four all-to-alls (q, k, v, out) run in forward, in backward, and
         # again for a recomputed block; each sends (cp-1)/cp of this rank's piece. They sit
         # between the projections and attention: on the critical path.
-        cp_b = (2 * share.layers + ckpt) * cp_exchange_bytes(m, s, b, t, cp) * (cp - 1) / cp
-        per_mb.append((compute, tp_b / gpu.intra_node_bw, pp_b / bw_pp, cp_b / bw_cp))
+        n_a2a = 2 * share.layers + ckpt
+        cp_in = cp_exchange_bytes(m, s, b, t, cp)
+        cp_b = n_a2a * cp_in * (cp - 1) / cp
+        per_mb.append((compute, n_coll * net.seconds("all-gather", act, *tp_g),
+                       sends * net.seconds("send/recv", act / t, *pp_g),
+                       4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g)))
         tp_bytes.append(tp_b * n_mb)
         pp_bytes.append(pp_b * n_mb)
         cp_bytes.append(cp_b * n_mb)
         local = rank_local_params(m, share, t)
-        fsdp.append((local, largest_unit(m, share, t)))
+        fsdp.append((local, largest_unit(m, share, t), share.layers + share.first + share.last))
 
     # The slowest pipeline rank sets the pace of every micro-batch.
     worst = max(range(len(shares)), key=lambda r: sum(per_mb[r]))
@@ -112,22 +118,27 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
 
     # FSDP on the rank with the most parameters. Ring collectives: each GPU sends (n-1)/n of
     # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
-    local, unit = max(fsdp)
+    local, unit, n_units = max(fsdp)
     ds, dr = lay.fsdp_shard, lay.dp_replicate
     n_ag, n_rs = fsdp_rounds(lay, job)
     ag = BF16 * local * (ds - 1) / ds
     rs = FP32 * local * (ds - 1) / ds
     ar = 2 * FP32 * local / ds * (dr - 1) / dr
-    fsdp_time = (n_ag * ag + n_rs * rs) / bw_dp + n_rs * ar / bw_rep
+    # Each round runs one collective per FSDP unit (a block, the embedding, norm + output):
+    # n_units collectives of the average unit (the latency is paid per collective).
+    per_unit = local / n_units
+    gather = lambda params: net.seconds("all-gather", BF16 * params, *dp_g)
+    reduce = lambda params: (net.seconds("reduce-scatter", FP32 * params, *dp_g)
+                             + net.seconds("all-reduce", FP32 * params / ds, *rep_g))
+    round_ag, round_rs = n_units * gather(per_unit), n_units * reduce(per_unit)
+    fsdp_time = n_ag * round_ag + n_rs * round_rs
     # Overlap: FSDP2 prefetches, so its collectives hide behind compute except the first
     # unit's gather and the last unit's reduction of each round. Under a pipeline the one
     # reduce-scatter (+ HSDP all-reduce) runs after the last backward: fully exposed.
-    frac = unit / local
     if lay.pp > 1:
-        gathers = n_ag * ag / bw_dp
-        exposed = max(0.0, gathers - compute) + frac * ag / bw_dp + rs / bw_dp + ar / bw_rep
+        exposed = max(0.0, n_ag * round_ag - compute) + gather(unit) + round_rs
     else:
-        exposed = max(0.0, fsdp_time - compute) + n_mb * frac * (ag / bw_dp + rs / bw_dp + ar / bw_rep)
+        exposed = max(0.0, fsdp_time - compute) + n_mb * (gather(unit) + reduce(unit))
     # AdamW is memory-bound: read param, grad, m, v; write param, m, v (fp32), + the grad norm.
     optimizer = 8 * FP32 * local / ds / gpu.hbm_bandwidth
 

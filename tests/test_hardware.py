@@ -1,0 +1,139 @@
+"""The cluster model (planning/hardware.py): collective times against hand arithmetic for
+stated sizes and links, the planner's step time wired to it, a TP group larger than a node
+priced over the network and said so, and impossible cluster descriptions refused by name.
+One process, no GPU."""
+
+import dataclasses
+
+import pytest
+
+from meshtrain.parallel import ParallelDims
+from meshtrain.physics.gpus import get_gpu
+from meshtrain.planning.estimate import estimate, main as estimate_main
+from meshtrain.planning.hardware import Topology, TopologyError, customized, default_topology, load_topology
+from meshtrain.planning.plan import resolve_model, run as plan_run
+from meshtrain.planning.shape import Job
+
+H100 = get_gpu("h100-80gb")
+US = 1e-6
+GB = 1e9
+# A DGX H100 by its data sheet: NVLink 4 at 900 GB/s per GPU both ways (450 one way), eight
+# 400 Gb/s ConnectX-7 NICs (50 GB/s each), 80% of line rate reached; NCCL's Simple-protocol
+# latencies: 8.4 us base, 3.4 us per NVLink ring step, 9.6 us per network ring step.
+NVLINK, NIC, EFF = 450 * GB, 50 * GB, 0.8
+
+
+def test_the_default_node_is_a_dgx_with_one_400_gbps_nic_per_gpu():
+    net = default_topology(H100, 8)
+    assert (net.gpus_per_node, net.nics_per_node) == (8, 8)
+    assert net.nic_bandwidth == pytest.approx(400e9 / 8) and net.nvlink_bandwidth == pytest.approx(NVLINK)
+
+
+def test_ring_all_reduce_inside_a_node_by_hand():
+    # 8 GPUs, 1 GB: a ring all-reduce takes 2(n-1) = 14 steps and each GPU sends 2(n-1)/n of
+    # the tensor over NVLink.
+    net = default_topology(H100, 8)
+    S = 1 * GB
+    by_hand = 8.4 * US + 14 * 3.4 * US + 2 * 7 / 8 * S / (NVLINK * EFF)
+    assert net.seconds("all-reduce", S, size=8, stride=1) == pytest.approx(by_hand)
+    assert net.algorithm("all-reduce", S, 8) == "nvlink ring"
+
+
+def test_a_data_parallel_ring_across_nodes_uses_every_nic_of_the_node():
+    # FSDP over 16 ranks at TP 1: two nodes, 8 members each. The node's outgoing bytes are
+    # one ring's, (n-1)/n of the tensor, spread over its 8 NICs: 8 x 50 GB/s x 0.8 = 320 GB/s
+    # per GPU (below NVLink's 360). 15 steps, 1 of them between nodes.
+    net = default_topology(H100, 8)
+    S = 2 * GB
+    by_hand = 8.4 * US + 14 * 3.4 * US + 1 * 9.6 * US + 15 / 16 * S / (8 * NIC * EFF)
+    assert net.seconds("all-gather", S, size=16, stride=1) == pytest.approx(by_hand)
+    # One NIC per node for the whole node's traffic would be 8x slower: the bug this fixes.
+    one_nic = 15 / 16 * S / (NIC * EFF)
+    assert net.seconds("all-gather", S, size=16, stride=1) < one_nic / 7
+    # At TP 8 each node holds one member of each of 8 groups, which share its 8 NICs: 50 GB/s each.
+    by_hand_tp8 = 8.4 * US + 15 * 9.6 * US + 15 / 16 * S / (NIC * EFF)
+    assert net.seconds("all-gather", S, size=16, stride=8) == pytest.approx(by_hand_tp8)
+    # Four NICs per node: half the bandwidth of the TP 1 ring.
+    four = dataclasses.replace(net, nics_per_node=4)
+    assert four.seconds("all-gather", S, 16, 1) - by_hand == pytest.approx(15 / 16 * S / (4 * NIC * EFF)
+                                                                          - 15 / 16 * S / (8 * NIC * EFF))
+
+
+def test_all_reduce_switches_to_the_tree_for_small_messages_at_scale():
+    # 512 ranks on 64 nodes: a ring pays 2 x 511 hops (126 of them network), a tree
+    # 2 x (7 NVLink + log2 64 = 6 network) of NCCL's tree latencies (28 us, 50 us).
+    net = default_topology(H100, 8)
+    small, big = 1e6, 20e9  # (the ring wins from ~5 GB on, where its 10% better bandwidth repays 3.4 ms)
+    ring = lambda S: 8.4 * US + 2 * 448 * 3.4 * US + 126 * 9.6 * US + 2 * 511 / 512 * S / (8 * NIC * EFF)
+    tree = lambda S: 8.4 * US + 2 * (7 * 28 + 6 * 50) * US + 2 * S / (0.9 * 8 * NIC * EFF)
+    assert net.seconds("all-reduce", small, 512) == pytest.approx(min(ring(small), tree(small)))
+    assert net.algorithm("all-reduce", small, 512) == "tree" and tree(small) < ring(small)
+    assert net.algorithm("all-reduce", big, 512) == "ring" and ring(big) < tree(big)
+
+
+def _fsdp_job(nodes, **net):
+    job = Job(resolve_model("8B"), H100, nodes, 8, 8192, 16 * nodes)
+    return dataclasses.replace(job, topology=dataclasses.replace(job.net, **net)) if net else job
+
+
+def test_the_estimate_prices_fsdp_with_the_topology():
+    # 8B at TP 1, FULL_SHARD over 16 ranks, one micro-batch: per FSDP unit (32 blocks, the
+    # embedding, norm + output: 34) a bf16 gather in forward and in backward and an fp32
+    # reduce-scatter, each a ring over both nodes. Computed here from the unit sizes.
+    job = _fsdp_job(2)
+    lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=16, world_size=16, strategy="FULL_SHARD", ac="full",
+                       micro_batch=2)
+    m = job.model
+    local = m.n_params  # untied 8B: every parameter, TP 1
+    unit = local / 34
+    bw = 8 * NIC * EFF
+    ring = lambda S: 8.4 * US + 14 * 3.4 * US + 9.6 * US + 15 / 16 * S / bw
+    by_hand = 34 * (2 * ring(2 * unit) + ring(4 * unit))
+    assert estimate(job, lay).fsdp_comm_time == pytest.approx(by_hand, rel=1e-9)
+    # Half the NICs: the bandwidth part doubles.
+    half = estimate(_fsdp_job(2, nics_per_node=4), lay).fsdp_comm_time
+    assert half - by_hand == pytest.approx(34 * 15 / 16 * (2 * 2 * unit + 4 * unit) / bw, rel=1e-9)
+
+
+def test_tp_larger_than_a_node_is_priced_over_the_network_and_warned(capsys):
+    # Llama 3 70B at TP 8 on nodes of 4 GPUs (its 8 kv heads allow no more than TP 8).
+    job = Job(resolve_model("70B"), H100, 8, 4, 8192, 32)
+    lay = ParallelDims(tp=8, pp=1, dp_replicate=1, dp_shard=4, world_size=32, strategy="FULL_SHARD", ac="full",
+                       micro_batch=1)
+    e = estimate(job, lay)
+    assert any("tp=8 spans 2 nodes of 4 GPUs" in w for w in e.warnings)
+    # The same layout on 8-GPU nodes keeps TP on NVLink: faster, and no warning.
+    inside = estimate(Job(job.model, H100, 4, 8, 8192, 32), lay)
+    assert not inside.warnings and inside.times["tp"] < e.times["tp"] / 1.5
+    # `meshtrain estimate` prints it.
+    assert estimate_main(["--config", "llama70b_2d", "--world-size", "64", "--gpus-per-node", "4"]) == 0
+    assert "WARNING: tp=8 spans 2 nodes of 4 GPUs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"nics_per_node": 0}, "nics_per_node = 0 is impossible; it must be at least 1"),
+    ({"nic_gbps": -400}, "nic_gbps = -400 is impossible; it must be positive"),
+    ({"nvlink_gb_per_s": 0}, "nvlink_gb_per_s = 0 is impossible"),
+    ({"link_efficiency": 1.5}, "link_efficiency = 1.5 is impossible"),
+    ({"nics_per_node": 2.5}, "nics_per_node = 2.5 must be a whole number"),
+    ({"nic_speed": 400}, "unknown key 'nic_speed'; accepted: nics_per_node, nic_gbps"),
+])
+def test_impossible_cluster_numbers_are_refused_by_key(change, message):
+    with pytest.raises(TopologyError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        customized(default_topology(H100, 8), change, "cluster.toml [topology]")
+    with pytest.raises(TopologyError, match="nvlink_bandwidth"):
+        Topology(gpus_per_node=8, nvlink_bandwidth=-1, nics_per_node=8, nic_bandwidth=1)
+
+
+def test_a_topology_file_describes_a_cluster_and_the_cli_reports_bad_ones(tmp_path, capsys):
+    good = tmp_path / "four_nics.toml"
+    good.write_text("[topology]\nnics_per_node = 4\nnic_gbps = 200\n")
+    net = load_topology(good, default_topology(H100, 8))
+    assert (net.nics_per_node, net.nic_bandwidth) == (4, pytest.approx(25 * GB))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[topology]\nnics_per_node = 0\n")
+    args = ["--model", "8B", "--nodes", "2", "--seq-len", "8192", "--global-batch", "32"]
+    assert plan_run([*args, "--topology", str(bad)]) == 2
+    assert f"{bad} [topology]: nics_per_node = 0 is impossible" in capsys.readouterr().err
+    assert plan_run([*args, "--nic-gbps", "-1"]) == 2
+    assert "--nic-gbps: nic_gbps = -1.0 is impossible" in capsys.readouterr().err
