@@ -1,7 +1,7 @@
 """The GPUs meshtrain knows: peak compute (MFU is measured against it), memory, links.
 
 One table for the planner (`meshtrain plan`), the dry run's "fits" and
-training's MFU. Spec figures are the vendors' data sheets (NVIDIA H100, H200 and A100
+training's MFU. Spec figures are the vendors' data sheets (NVIDIA H100, H200, B200 and A100
 datasheets: dense bf16 tensor-core FLOP/s, HBM size and bandwidth, NVLink); the measured
 ones are `bench.gpu_check`'s (an 8192^3 bf16 matmul: 773-798 TFLOP/s on an H100 SXM,
 bench/results/) and device-to-device copies on H100 and H200.
@@ -74,6 +74,10 @@ GPUS: dict[str, GPU] = {
     "h100-pcie": GPU("H100 PCIe 80GB", "H100 PCIe", 756e12, 80 * GIB, 0.9 * 2.0e12, 64e9, 400e9 / 8, 0.8),
     "h100-nvl": GPU("H100 NVL 94GB", "H100 NVL", 835e12, 94 * GIB, 0.9 * 3.9e12, 64e9, 400e9 / 8, 0.8),
     "h200-141gb": GPU("H200 SXM 141GB", "H200", 989e12, 141 * GIB, 4.3e12, 900 * GB / 2, 400e9 / 8, 790 / 989),
+    # B200 (DGX B200 / HGX B200 data sheets): 2.25 PFLOP/s dense bf16 (4.5 with 2:4 sparsity),
+    # 180 GB HBM3e at 8 TB/s as DGX B200 exposes it, NVLink 5 at 1.8 TB/s per GPU, eight 400 Gb/s
+    # ConnectX-7 NICs. Not measured here: matmul 0.8, copy 90% of spec and attention 35% assumed.
+    "b200": GPU("B200 SXM 180GB", "B200", 2250e12, 180 * GIB, 0.9 * 8.0e12, 1800 * GB / 2, 400e9 / 8, 0.8),
     "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6),
     "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6),
 }
@@ -105,7 +109,7 @@ def usable_bytes(gpu: "GPU") -> float:
     return (1 - HEADROOM) * gpu.hbm_bytes
 
 
-ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "h200-141": "h200-141gb"}
+ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "h200-141": "h200-141gb", "b200-180gb": "b200"}
 
 
 def get_gpu(name: str) -> GPU:

@@ -23,10 +23,12 @@ GB = 1e9
 NVLINK, NIC, EFF = 450 * GB, 50 * GB, 0.8
 
 
-def test_the_default_node_is_a_dgx_with_one_400_gbps_nic_per_gpu():
-    net = default_topology(H100, 8)
+@pytest.mark.parametrize("gpu, nvlink_both_ways", [("h100", 900e9), ("h200", 900e9), ("b200", 1800e9)])
+def test_the_default_node_is_a_dgx_with_one_400_gbps_nic_per_gpu(gpu, nvlink_both_ways):
+    # DGX H100 / H200 / B200 data sheets: eight 400 Gb/s ConnectX-7 NICs; NVLink 4 / 5.
+    net = default_topology(get_gpu(gpu), 8)
     assert (net.gpus_per_node, net.nics_per_node) == (8, 8)
-    assert net.nic_bandwidth == pytest.approx(400e9 / 8) and net.nvlink_bandwidth == pytest.approx(NVLINK)
+    assert net.nic_bandwidth == pytest.approx(400e9 / 8) and net.nvlink_bandwidth == pytest.approx(nvlink_both_ways / 2)
 
 
 def test_ring_all_reduce_inside_a_node_by_hand():
