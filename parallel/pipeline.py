@@ -54,7 +54,7 @@ def check_pipeline(*, pp: int, n_layers: int, schedule: str, stages_per_rank: in
                           f"forward (local batch {local_batch})")
     if schedule in ("1F1B", "DualPipeV") and m < n_stages:
         raise LayoutError(f"{schedule} needs at least as many micro-batches as stages: "
-                          f"pp_microbatches = {m} < {n_stages} stages")
+                          f"pp_microbatches = {m} < {n_stages} stages (GPipe runs it)")
     if per_rank == "any" and stages_per_rank > 1:
         rounds = max(1, m // pp)
         if m % rounds:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from meshtrain.models import registry
 from meshtrain.parallel.layout import ParallelDims
-from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.physics.flops import flops_per_token  # the FLOPs train.py reports MFU with
 from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 from meshtrain.planning import hardware
@@ -83,8 +82,6 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
         raise NotModelled(f"[activation_checkpoint] mode = \"{ac.mode}\"" +
                           (f", selective_every = {ac.selective_every}" if ac.mode == "selective" else "") +
                           ": the planner knows none, full, op, and selective with every 2nd block")
-    if STRATEGIES[layout.strategy] == 0:  # NO_SHARD
-        raise NotModelled(f"sharding strategy {layout.strategy}: the formulas assume FSDP shards the model")
     if layout.pipelined and layout.pp_schedule not in PLANNED_SCHEDULES:
         raise NotModelled(f"pp_schedule = \"{layout.pp_schedule}\": the formulas know {', '.join(PLANNED_SCHEDULES)}")
     if p.pp_layers_per_stage or p.pp_split_points:

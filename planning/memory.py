@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.parallel.layout import ParallelDims
-from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.planning.activations import profile_for
 from meshtrain.planning.schedule import rank_actions
-from meshtrain.planning.shape import Job, ModelShape, rank_batch
+from meshtrain.planning.shape import Job, ModelShape, keeps_gathered, rank_batch, shard_degree
 from meshtrain.planning.shares import RankShare, checkpointed_blocks, rank_shares
 
 BF16, FP32 = 2, 4
@@ -116,7 +115,7 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float
     local, unit = rank_local_params(m, share, lay.tp), largest_unit(m, share, lay.tp)
     if lay.pp > 1:
         return (BF16 + FP32) * local + BF16 * unit
-    if STRATEGIES[lay.strategy] == 2:  # ZeRO-2: kept gathered from forward to backward
+    if keeps_gathered(lay):  # ZeRO-2 (and NO_SHARD): kept gathered from forward to backward
         return BF16 * local + (BF16 + FP32) * unit
     return (2 * BF16 + BF16 + FP32) * unit
 
@@ -131,7 +130,7 @@ def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
         if prof is not None:
             mem = traced_memory(job, lay, r, share, prof)
         else:
-            mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(job.model, share, lay.tp), lay.fsdp_shard))
+            mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(job.model, share, lay.tp), shard_degree(lay)))
             mem.grads, mem.optimizer = mem.grads * job.trainable, mem.optimizer * job.trainable  # LoRA: frozen base
             mem.activations, mem.transient = formula_activations(job, lay, share), transient_bytes(job.model, share, lay)
         if worst is None or mem.total > worst.total:
@@ -165,11 +164,11 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
     m, b, t = job.model, lay.micro_batch, lay.tp
     block, embed, head = _units(m, t)
     local = rank_local_params(m, share, t)
-    shard = lay.fsdp_shard
+    shard = shard_degree(lay)  # 1 under NO_SHARD: every rank holds whole model states
     # With [lora] (job.trainable < 1) only the adapters have gradients and AdamW moments.
     grad = job.trainable
     mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=2 * FP32 * local / shard * grad)
-    zero2 = STRATEGIES[lay.strategy] == 2
+    zero2 = keeps_gathered(lay)
     accumulating = rank_batch(job, lay) > lay.local_batch
     held_grads = FP32 * local / shard * grad if accumulating else 0.0
     gathered = lambda *units: BF16 * (local if zero2 else sum(units))

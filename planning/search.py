@@ -41,7 +41,7 @@ def check_layout(job: Job, lay: ParallelDims) -> None:
     if job.global_batch % lay.dp:
         raise LayoutError(f"global batch {job.global_batch} is not divisible by dp = {lay.dp}")
     check_strategy(lay.strategy, lay.degrees)
-    if lay.fsdp_shard == 1:
+    if lay.fsdp_shard == 1 and STRATEGIES[lay.strategy] != 0:
         raise LayoutError("no data-parallel sharding: model states would be held whole on every GPU")
 
 
@@ -53,16 +53,20 @@ def candidates(job: Job):
         for pp in divisors(job.world // (tp * cp)):
             dp = job.world // (tp * cp * pp)
             for dp_replicate in divisors(dp):
-                if dp == dp_replicate and cp == 1:  # no shard group: FSDP would not be applied (NO_SHARD)
-                    continue
-                # The sharding strategies (ZeRO-3 and ZeRO-2), in their HYBRID form with replicas.
-                strategies = [s for s, zero in STRATEGIES.items()
-                              if zero and s.startswith("HYBRID") == (dp_replicate > 1)]
+                if dp == dp_replicate and cp == 1:
+                    # No shard group: plain data parallelism (NO_SHARD, DDP), whole model
+                    # states on every GPU, gradients all-reduced; with dp = 1 nothing to do.
+                    strategies = ["NO_SHARD"] if dp > 1 else []
+                else:  # the sharding strategies (ZeRO-3 and ZeRO-2), HYBRID with replicas
+                    strategies = [s for s, zero in STRATEGIES.items()
+                                  if zero and s.startswith("HYBRID") == (dp_replicate > 1)]
                 local = job.global_batch // dp if job.global_batch % dp == 0 else 1
                 schedules = ([(s, default_stages_per_rank(s)) for s in PLANNED_SCHEDULES] if pp > 1
                              else [("1F1B", 1)])
                 for micro_batch in divisors(local):
                     for schedule, v in schedules:
+                        if schedule == "GPipe" and local // micro_batch >= pp:
+                            continue  # 1F1B runs it: the same bubble, fewer micro-batches in flight
                         for strategy in strategies:
                             for ac in AC_MODES:
                                 yield ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate,

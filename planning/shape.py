@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 
 from meshtrain.models import registry
 from meshtrain.parallel.layout import ParallelDims
+from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.physics.gpus import GPU
 from meshtrain.planning.hardware import Topology, default_topology
 
 # The pipeline schedules the planner searches and estimates, of all parallel's
-# (parallel/vocabulary.py): 1F1B and its interleaved form. GPipe and LoopedBFS have their
-# bubbles and hold more micro-batches in flight, so they never win; the zero-bubble ones
-# split a backward in two, which the step-time model does not.
-PLANNED_SCHEDULES = ("1F1B", "Interleaved1F1B")
+# (parallel/vocabulary.py): 1F1B and its interleaved form, and GPipe. GPipe has 1F1B's
+# bubble and holds every micro-batch in flight, so the search offers it only where 1F1B is
+# refused (fewer micro-batches than stages, which GPipe runs); LoopedBFS never wins; the
+# zero-bubble ones split a backward in two, which the step-time model does not.
+PLANNED_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,26 @@ class Job:
     @property
     def net(self) -> Topology:
         return self.topology or default_topology(self.gpu, self.gpus_per_node)
+
+
+def shard_degree(lay: ParallelDims) -> int:
+    """Ranks the model states are sharded over: FSDP's dp_shard x cp, or 1 under NO_SHARD
+    (plain data parallelism: parallel/fsdp.py runs it as HSDP with shard groups of one)."""
+    return 1 if STRATEGIES[lay.strategy] == 0 else lay.fsdp_shard
+
+
+def replica_group(lay: ParallelDims) -> tuple[int, int]:
+    """(size, stride) of the groups gradients are all-reduced over: dp_replicate (stride
+    tp x dp_shard x cp) under HSDP; under NO_SHARD every data-parallel and cp rank (stride tp)."""
+    if STRATEGIES[lay.strategy] == 0:
+        return lay.dp * lay.cp, lay.tp
+    return lay.dp_replicate, lay.tp * lay.fsdp_shard
+
+
+def keeps_gathered(lay: ParallelDims) -> bool:
+    """Parameters stay gathered (bf16) from a unit's forward to its backward: ZeRO-2, and
+    NO_SHARD (not resharded after forward either; its "gathered" copy is the bf16 cast)."""
+    return STRATEGIES[lay.strategy] in (0, 2)
 
 
 def rank_batch(job: Job, lay: ParallelDims) -> int:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from meshtrain.parallel.context_parallel import kv_repeats
 from meshtrain.parallel.layout import ParallelDims
-from meshtrain.parallel.vocabulary import STRATEGIES, WHOLE_BACKWARD
+from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning.kernels import block_seconds, head_seconds
 from meshtrain.planning.memory import BF16, FP32, largest_unit, rank_local_params
 from meshtrain.planning.schedule import makespan
-from meshtrain.planning.shape import Job, ModelShape, forwards_per_step
+from meshtrain.planning.shape import Job, ModelShape, forwards_per_step, keeps_gathered, replica_group, shard_degree
 from meshtrain.planning.shares import checkpointed_blocks, rank_shares
 
 
@@ -28,7 +28,7 @@ def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
     Pipeline: SHARD_GRAD_OP gathers once per step; FULL_SHARD re-gathers after every
     forward, m + 1 times (the 3 + 2n measured in docs/pipeline.md for 2 resharding units
     and 1 that is not); one reduce-scatter per step either way."""
-    zero2 = STRATEGIES[lay.strategy] == 2
+    zero2 = keeps_gathered(lay)  # NO_SHARD too: gathered (cast) once, never resharded
     n = forwards_per_step(job, lay)
     if lay.pp > 1:
         return (1 if zero2 else n + 1), 1
@@ -64,7 +64,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # of NCCL's algorithm + bytes over NVLink / the node's NICs, planning/hardware.py).
     net = job.net
     tp_g, cp_g, pp_g = (t, 1), (cp, t), (lay.pp, t * lay.dp * cp)
-    dp_g, rep_g = (lay.fsdp_shard, t), (lay.dp_replicate, t * lay.fsdp_shard)
+    # NO_SHARD: no shard group (size 1, free); gradients all-reduced over every replica.
+    dp_g, rep_g = (shard_degree(lay), t), replica_group(lay)
 
     per_mb, tp_bytes, pp_bytes, cp_bytes, fsdp, parts = [], [], [], [], [], []
     for share in shares:
@@ -119,7 +120,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # FSDP on the rank with the most parameters. Ring collectives: each GPU sends (n-1)/n of
     # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
     local, unit, n_units = max(fsdp)
-    ds, dr = lay.fsdp_shard, lay.dp_replicate
+    (ds, _), (dr, _) = dp_g, rep_g
     n_ag, n_rs = fsdp_rounds(lay, job)
     ag = BF16 * local * (ds - 1) / ds
     rs = FP32 * local * (ds - 1) / ds

@@ -4,8 +4,9 @@ Each point is a layout the planner can write (`plan --write`): it is estimated
 (planning.estimate, activations from the traced two-block probe of planning/activations.py),
 written as a train.py config, and dry-run at its full world size on the pipeline rank
 the estimate calls fullest (planning.verify.trace). The grid crosses TP 1-8, no pipeline
-and pipelines of 2 and 4 ranks (1F1B and interleaved), every AC mode, FULL_SHARD,
-SHARD_GRAD_OP and HYBRID_SHARD, on Llama 3 8B and 70B. Llama 3 405B at 512 ranks (pp 8
+and pipelines of 2 and 4 ranks (1F1B, interleaved, GPipe with fewer micro-batches than
+stages), every AC mode, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD and NO_SHARD, on Llama 3
+1B, 8B and 70B. Llama 3 405B at 512 ranks (pp 8
 interleaved x tp 8, 30 of its blocks) is checked the same way in tests/test_dry_run.py, whose trace it
 shares. bench/plan_vs_trace.py runs the larger searched grids of docs/planning.md
 (minutes each, too long for the suite).
@@ -51,6 +52,11 @@ GRID = [  # (model, nodes, seq, global batch, layout)
     ("8B", 2, 8192, 16, dict(tp=2, dp_shard=2, micro_batch=1, ac="full", **pipe(4, 8, v=1, schedule="1F1B"))),
     ("70B", 8, 8192, 128, dict(tp=2, dp_replicate=2, dp_shard=4, micro_batch=1, ac="full",
                                strategy="HYBRID_SHARD", **pipe(4, 16))),
+    # Plain data parallelism (whole model states on every GPU), and GPipe with fewer
+    # micro-batches than stages (every micro-batch in flight).
+    ("1B", 1, 4096, 32, dict(tp=1, pp=1, dp_replicate=8, dp_shard=1, micro_batch=2, ac="full", strategy="NO_SHARD")),
+    ("8B", 2, 8192, 4, dict(tp=2, dp_shard=2, micro_batch=1, ac="full", strategy="SHARD_GRAD_OP",
+                            **pipe(4, 2, v=1, schedule="GPipe"))),
 ]
 
 
