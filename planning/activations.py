@@ -29,6 +29,7 @@ tp, AC mode) once, in about a second.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -50,6 +51,7 @@ class ProbeKey:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     lora: tuple = ()  # [lora]: (rank, alpha, target_modules); a frozen layer saves less for backward
+    dims: tuple = ()  # [model]'s dimensions over the flavor's (ModelShape.dims)
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,11 @@ def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = ()) -> "Act
     family = registry.FAMILIES.get(model.family)
     if family is None or model.flavor not in family.flavors:
         return None
-    c = family.flavors[model.flavor]
+    c = dataclasses.replace(family.flavors[model.flavor], **dict(model.dims))
     if (c.dim, c.n_heads, c.ffn_hidden) != (model.dim, model.n_heads, model.ffn_hidden):
         return None  # a config that changes the flavor's shape: the probe would trace another block
     return activation_profile(ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac,
-                                       lora=lora))
+                                       lora=lora, dims=model.dims))
 
 
 def period_of(key: ProbeKey) -> int:
@@ -111,7 +113,7 @@ def _probe_model(key: ProbeKey):
     from meshtrain.parallel import ParallelDims, parallelize
 
     family = registry.get(key.family)
-    overrides = {"vocab_size": key.vocab_size, "n_layers": 2 * period_of(key)}
+    overrides = {**dict(key.dims), "vocab_size": key.vocab_size, "n_layers": 2 * period_of(key)}
     if not family.learned_positions:  # as training.recipe.build_model sizes rotary tables
         overrides["max_seq_len"] = key.seq_len
     model = family.model_class().from_flavor(key.flavor, meta=True, **overrides)

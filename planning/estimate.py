@@ -88,7 +88,10 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
         raise NotModelled("a hand-placed pipeline split: the formulas split layers evenly")
     model_cfg = model.cfg
     if registry.get(cfg.model.name).flavors:
-        shape = ModelShape.from_flavor(cfg.model.flavor, model_cfg.vocab_size, cfg.model.name)
+        from meshtrain.training.recipe import shape_overrides  # [model] dim, n_heads, ...
+
+        dims = {k: v for k, v in shape_overrides(cfg).items() if k != "n_layers"}
+        shape = ModelShape.from_flavor(cfg.model.flavor, model_cfg.vocab_size, cfg.model.name, **dims)
     else:  # a model from its own config file (name = "hf"): counted on the model itself
         shape = ModelShape.from_model(model, flavor=cfg.model.name, n_layers=model_cfg.n_layers,
                                       family=cfg.model.name, learned_positions=model.learned_positions())

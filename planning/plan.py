@@ -34,8 +34,12 @@ class PlanError(ValueError):
     """Bad input for the planner; the message is the whole explanation."""
 
 
-def resolve_model(name: str) -> ModelShape:
-    """A Llama flavor ("70B", "llama3_70b") or any family's as "family:flavor" ("gpt2:175B")."""
+SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")  # [model]'s keys
+
+
+def resolve_model(name: str, **dims: int) -> ModelShape:
+    """A Llama flavor ("70B", "llama3_70b") or any family's as "family:flavor" ("gpt2:175B"),
+    with ``dims`` (SHAPE_FLAGS, as [model] takes them) over the flavor's: a custom size."""
     family, _, flavor = name.rpartition(":")
     family = family or "llama"
     if family not in registry.FAMILIES:
@@ -47,8 +51,18 @@ def resolve_model(name: str) -> ModelShape:
         accepted = ", ".join([*flavors, *(MODEL_ALIASES if family == "llama" else ())])
         raise PlanError(f"unknown {family} model {flavor!r}; accepted: {accepted} (other families: "
                         f"{', '.join(f + ':FLAVOR' for f in registry.FAMILIES if f != family)})")
-    vocab = LLAMA3_VOCAB if family == "llama" and found != "debug" else None
-    return ModelShape.from_flavor(found, vocab, family)
+    vocab = dims.pop("vocab_size", None) or (LLAMA3_VOCAB if family == "llama" and found != "debug" else None)
+    flags = lambda: ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in dims.items())
+    known = dataclasses.fields(flavors[found])
+    for key in dims:
+        if key not in {f.name for f in known}:
+            raise PlanError(f"--{key.replace('_', '-')}: the {family} family has no such setting; its dimensions: "
+                            + ", ".join(f"--{k.replace('_', '-')}" for k in SHAPE_FLAGS
+                                        if k in {f.name for f in known} or k == "vocab_size"))
+    try:
+        return ModelShape.from_flavor(found, vocab, family, **dims)
+    except ValueError as err:  # the family's own check (dim % n_heads, ...)
+        raise PlanError(f"{flags()}: {err}") from None
 
 
 # ---------------------------------------------------------------- command line
@@ -62,6 +76,9 @@ def parse_args(argv):
     p = _Parser(prog="meshtrain plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Llama flavor (8B, 70B, 405B, debug, llama3_70b...), "
                    "or family:flavor for another family (gpt2:175B)")
+    for key in SHAPE_FLAGS:
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, metavar="N",
+                       help=f"the model's {key} instead of the flavor's ([model] {key})")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
@@ -105,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         net = hardware.from_arguments(args, gpu, args.gpus_per_node)
     except hardware.TopologyError as err:
         raise PlanError(str(err)) from None
-    job = Job(resolve_model(args.model), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
+    dims = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
+    for key, value in dims.items():
+        if value < 1:
+            raise PlanError(f"--{key.replace('_', '-')} must be at least 1")
+    job = Job(resolve_model(args.model, **dims), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
               topology=net)
     if job.model.max_positions and args.seq_len > job.model.max_positions:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
@@ -114,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     fitting, smallest, rejected = plan(job)
     n = job.model.n_params
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    print(f"{job.model.family} {job.model.flavor} ({size} params) on {job.nodes} x "
+    resized = (" with " + ", ".join(f"{k} {v}" for k, v in (*job.model.dims, ("n_layers", job.model.n_layers)))
+               if dims else "")
+    print(f"{job.model.family} {job.model.flavor}{resized} ({size} params) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
           f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: matmuls at {gpu.matmul_efficiency:.0%} "
           f"of it, flash attention at {gpu.attention_efficiency:.0%}, memory-bound work at "

@@ -56,6 +56,14 @@ def format_breakdown(e, gpu, title: str = "Best") -> str:
     return "\n".join(lines)
 
 
+def custom_layers(m) -> list[str]:
+    """[model] n_layers when the planned model's differs from its flavor's."""
+    from meshtrain.models import registry
+
+    flavor = registry.get(m.family).flavors.get(m.flavor)
+    return [f"n_layers = {m.n_layers}"] if flavor is not None and flavor.n_layers != m.n_layers else []
+
+
 def to_toml(e, job: Job, name: str, command: str) -> str:
     """The layout as a config for train.py (same shape as configs/llama70b_2d.toml)."""
     lay, m = e.layout, job.model
@@ -78,7 +86,8 @@ def to_toml(e, job: Job, name: str, command: str) -> str:
         "",
         "[job]", f'name = "{name}"', 'output_dir = "outputs"',
         f'description = "{m.family} {m.flavor}: {describe(lay)}"', 'device = "cuda"', "",
-        "[model]", f'name = "{m.family}"', f'flavor = "{m.flavor}"', f"vocab_size = {m.vocab}", "",
+        "[model]", f'name = "{m.family}"', f'flavor = "{m.flavor}"', f"vocab_size = {m.vocab}",
+        *[f"{k} = {v}" for k, v in m.dims], *custom_layers(m), "",
         "[training]", f"global_batch_size = {job.global_batch}",
         f"local_batch_size = {local}" + ("" if lay.pp > 1 else
                                           f"      # {forwards_per_step(job, lay)} accumulation step(s)"),

@@ -10,6 +10,7 @@ micro-batch, h = model width, t = TP degree.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from meshtrain.models import registry
@@ -48,15 +49,21 @@ class ModelShape:
     family: str = "llama"
     max_positions: int = 0   # rows of a learned position table (0: positions are computed)
     head_dim: int = 0        # 0: dim / n_heads
+    dims: tuple = ()         # ((key, value), ...) of [model]'s dimensions over the flavor's (dim, n_heads, ...)
 
     @classmethod
-    def from_flavor(cls, flavor: str, vocab_size: int | None = None, family: str = "llama") -> "ModelShape":
+    def from_flavor(cls, flavor: str, vocab_size: int | None = None, family: str = "llama",
+                    **dims: int) -> "ModelShape":
+        """A flavor's sizes, with ``dims`` (dim, n_heads, n_kv_heads, ffn_hidden, n_layers: the
+        [model] keys) over the flavor's: a custom size of a native family."""
         # One block is enough to count a block; the layer count comes from the flavor.
         overrides = {"vocab_size": vocab_size} if vocab_size else {}
         fam = registry.get(family)
-        m = fam.model_class().from_flavor(flavor, meta=True, n_layers=1, **overrides)
-        return cls.from_model(m, flavor=flavor, n_layers=fam.flavors[flavor].n_layers, family=family,
-                              learned_positions=fam.learned_positions)
+        n_layers = dims.pop("n_layers", 0) or fam.flavors[flavor].n_layers
+        m = fam.model_class().from_flavor(flavor, meta=True, n_layers=1, **overrides, **dims)
+        shape = cls.from_model(m, flavor=flavor, n_layers=n_layers, family=family,
+                               learned_positions=fam.learned_positions)
+        return dataclasses.replace(shape, dims=tuple(sorted(dims.items())))
 
     @classmethod
     def from_model(cls, m, *, flavor: str, n_layers: int, family: str, learned_positions: bool) -> "ModelShape":

@@ -75,6 +75,13 @@ class ModelSection:
                           lt=math.inf)
     n_layers: int = opt(0, "transformer blocks; 0: the flavor's (fewer: a flavor's blocks on fewer "
                         "GPUs, for benchmarks and smoke tests)", min=0, max=10_000)
+    dim: int = opt(0, "model width (hidden size); 0: the flavor's. With n_heads, n_kv_heads, ffn_hidden, "
+                   "n_layers and vocab_size: any size of a native family, no config.json", min=0, max=1_000_000)
+    n_heads: int = opt(0, "attention heads (must divide dim); 0: the flavor's", min=0, max=100_000)
+    n_kv_heads: int = opt(0, "key/value heads (GQA; must divide n_heads); 0: the flavor's. Families with "
+                          "GQA (llama)", min=0, max=100_000)
+    ffn_hidden: int = opt(0, "FFN width; 0: the flavor's. Families whose FFN width is a setting (llama); "
+                          "gpt2's is 4 x dim", min=0, max=10_000_000)
     hf_config: str = opt("", 'name = "hf": a Hugging Face config.json (or its folder) of any causal LM '
                          "transformers knows; the model is built from it on meta, nothing downloaded")
     hf_block_classes: list[str] = opt([], 'name = "hf": the transformer block classes FSDP wraps (like '

@@ -87,8 +87,33 @@ def add_lora(cfg: JobConfig, model: nn.Module) -> None:
     apply_lora(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=paths)
 
 
+SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_hidden")
+
+
+def shape_overrides(cfg: JobConfig) -> dict:
+    """[model]'s dimensions that replace the flavor's (0: keep it). ConfigError for a
+    dimension the family has no setting for (gpt2's FFN is 4 x dim, it has no kv heads)."""
+    m = cfg.model
+    given = {k: getattr(m, k) for k in SHAPE_KEYS if getattr(m, k)}
+    if m.name == "hf" and set(given) - {"n_layers"}:
+        key = next(k for k in given if k != "n_layers")
+        raise ConfigError(f"[model] {key} = {given[key]}: name = \"hf\" takes its dimensions from hf_config "
+                          f"(only n_layers may be changed here)")
+    if given and m.name != "hf":
+        from dataclasses import fields
+
+        family = registry.get(m.name)
+        known = {f.name for f in fields(next(iter(family.flavors.values())))}
+        for key in given:
+            if key not in known:
+                raise ConfigError(f"[model] {key} = {given[key]}: the {m.name} family has no such setting; "
+                                  f"its dimensions: {', '.join(k for k in SHAPE_KEYS if k in known)}")
+    return given
+
+
 def _build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     m, seq_len = cfg.model, cfg.training.seq_len
+    shape_overrides(cfg)  # its refusals, for every family
     if m.name == "hf":
         return build_hf_model(cfg, tokenizer_vocab)
     family = registry.get(m.name)
@@ -96,14 +121,18 @@ def _build_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     if vocab < tokenizer_vocab:
         raise ConfigError(f"[model] vocab_size = {vocab} is smaller than the tokenizer's "
                           f"vocabulary ({tokenizer_vocab})")
-    overrides = {"vocab_size": vocab, "norm_eps": m.norm_eps}
-    if m.n_layers:
-        overrides["n_layers"] = m.n_layers
+    overrides = {"vocab_size": vocab, "norm_eps": m.norm_eps, **shape_overrides(cfg)}
     if m.name == "moe":
         overrides.update(cfg.moe.overrides())
     if not family.learned_positions:  # positions are computed (rotary): size them for this run
         overrides["max_seq_len"] = seq_len
-    model = family.model_class().from_flavor(m.flavor, meta=True, **overrides)
+    try:
+        model = family.model_class().from_flavor(m.flavor, meta=True, **overrides)
+    except ValueError as err:  # the family's own check of the dimensions (dim % n_heads, ...)
+        if not shape_overrides(cfg):
+            raise
+        given = ", ".join(f"{k} = {v}" for k, v in shape_overrides(cfg).items())
+        raise ConfigError(f"[model] {given}: {err}") from None
     if seq_len > model.cfg.max_seq_len:
         raise ConfigError(f"[training] seq_len = {seq_len} is longer than {m.name} {m.flavor}'s "
                           f"{model.cfg.max_seq_len} learned positions; use seq_len <= {model.cfg.max_seq_len}")

@@ -30,6 +30,9 @@ class LlamaConfig:
                 f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) and "
                 f"n_heads by n_kv_heads ({self.n_kv_heads})"
             )
+        if (self.dim // self.n_heads) % 2:  # rotary turns pairs of a head's channels
+            raise ValueError(f"the head size dim / n_heads = {self.dim} / {self.n_heads} = "
+                             f"{self.dim // self.n_heads} must be even (rotary embeddings rotate pairs)")
 
     @property
     def head_dim(self) -> int:
