@@ -16,7 +16,8 @@ Assumptions, each used only to *rank* layouts, never to promise a number:
   is bound by one direction, so we use half. Inter-node is one InfiniBand NIC per GPU
   (400 Gb/s = 50 GB/s per direction on H100/H200 clusters, 200 Gb/s on A100). Both
   are derated by `link_efficiency` = 0.8 (NCCL's bus bandwidth on large messages is
-  typically 75-90% of the line rate; not measured here).
+  typically 75-90% of the line rate; not measured here). How a node's NICs are shared and
+  what a collective costs is planning/hardware.py's (the default node: one NIC per GPU).
 - Memory: the vendors' "80 GB" / "141 GB" are what torch reports in GiB, less about 1 GiB
   the driver keeps (an H100 80GB shows ~79 GiB); we take the marketed number as GiB,
   and both the planner and the dry run keep `HEADROOM` (10%) free on top: "fits" means
@@ -56,14 +57,6 @@ class GPU:
     @property
     def achievable_flops(self) -> float:
         return self.peak_bf16_flops * self.matmul_efficiency
-
-    @property
-    def intra_node_bw(self) -> float:
-        return self.nvlink_bandwidth * self.link_efficiency
-
-    @property
-    def inter_node_bw(self) -> float:
-        return self.internode_bandwidth * self.link_efficiency
 
 
 # name: GPU(model, name in torch's device name, bf16 FLOP/s, memory, achievable copy bandwidth,

@@ -35,12 +35,6 @@ def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
     return (n if zero2 else 2 * n), n
 
 
-def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
-    """A mesh group of ``size`` ranks, ``stride`` apart (tp innermost, see parallel/mesh.py),
-    leaves the node when it covers more ranks than a node has."""
-    return size > 1 and stride * size > gpus_per_node
-
-
 @dataclass
 class StepTime:
     seconds: float
