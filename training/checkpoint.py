@@ -113,7 +113,7 @@ def optimizer_state(parts: list[nn.Module], optimizers) -> dict:
     """Flattened optimizer state ("state.<param name>.exp_avg", ...): tensors only. The
     hyperparameters come from the config and the LR schedule, not from the file."""
     state = {}
-    for part, opt in zip(parts, optimizers.optimizers):
+    for part, opt in zip(parts, optimizers.per_part):
         flat = get_optimizer_state_dict(part, opt, options=_FLAT)
         state.update({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
     return state
@@ -306,7 +306,7 @@ class CheckpointManager:
         if "rng" in state:
             set_rng_state(state["rng"])
         if "optimizer" in state:
-            for part, opt in zip(self.parts, self.optimizers.optimizers):
+            for part, opt in zip(self.parts, self.optimizers.per_part):
                 full = get_optimizer_state_dict(part, opt, options=_FLAT)  # this run's hyperparameters
                 full.update({k: v for k, v in state["optimizer"].items() if k in full})
                 set_optimizer_state_dict(part, opt, full, options=_FLAT)
