@@ -100,6 +100,9 @@ class Job:
     # no gradient and no optimizer state (its fp32 shards are kept: they are the weights).
     trainable: float = 1.0
     lora: tuple = ()  # (rank, alpha, target_modules) of [lora], for the activation probe
+    # [optimizer] name = "Muon": the fraction of the trained parameters Muon updates (the
+    # hidden matrices), which keep one fp32 moment instead of AdamW's two.
+    muon: float = 0.0
 
     @property
     def world(self) -> int:

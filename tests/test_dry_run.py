@@ -210,10 +210,14 @@ def test_muon_keeps_one_moment_for_the_hidden_matrices_and_adamws_two_for_the_re
     cfg = load_config("llama3_8b", ["--model.flavor=1B", "--training.seq_len=256", "--training.local_batch_size=1",
                                     "--training.global_batch_size=8", "--parallelism.sharding_strategy=FULL_SHARD",
                                     "--optimizer.name=Muon"])
-    report = dry_run(cfg, 8)
+    report = dry_run(cfg, 8, gpu="h100-80gb")
     model = recipe.build_model(cfg, 1)
     hidden = sum(p.numel() for p in hidden_matrices(model, registry.get("llama").output_layer)) / 8
     held = report["parameters"]["held"]
     assert 0.5 * held < hidden < held
     assert report["memory_between_steps"]["optimizer state"] == pytest.approx(4 * hidden + 8 * (held - hidden),
                                                                               rel=0.02)
+    # The planner's closed form agrees on the state (not on the step's transients: it has
+    # no model of Muon's step, which the CPU trace inflates with gloo's all-gather fallback).
+    assert report["estimate"]["optimizer"] == pytest.approx(report["memory_between_steps"]["optimizer state"],
+                                                            rel=0.02)
