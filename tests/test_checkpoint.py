@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT, one_process, torchrun
 from meshtrain.training.checkpoint import complete_checkpoints
 
 STEPS = 12
@@ -219,3 +219,17 @@ def test_muon_state_resumes_bitwise_and_under_another_layout(out):
         assert "resumed at step 6" in train(out, name, *layout, muon).stdout
     assert torch.equal(losses(out, "muon_resumed", first=7), whole[6:])
     torch.testing.assert_close(losses(out, "muon_fsdp4", first=7), whole[6:], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_adamw_is_refused_by_muon_even_when_told_to_resume(tmp_path):
+    """AdamW's moments are not Muon's momentum: one line that says so, not a damaged-checkpoint story."""
+    one = ["--parallelism.dp_shard=1", "--parallelism.tp=1", "--checkpoint.interval=2"]
+    first = one_process("train.py", *args(tmp_path, "switch", *one, "--training.steps=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = one_process("train.py", *args(tmp_path, "switch", *one, "--optimizer.name=Muon",
+                                         "--checkpoint.if_config_differs=resume"))
+    assert proc.returncode != 0
+    error = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert 'holds the state of [optimizer] name = "AdamW", and this run\'s name = "Muon"' in error[0]
