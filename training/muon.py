@@ -23,11 +23,11 @@ way each replica already runs its own AdamW step.
 
 Cost per step, per rank: two all-to-alls of its shard of the hidden matrices in bf16
 (torch's Newton-Schulz casts to bf16 first, so moving bf16 gives the same bits), i.e.
-2 x 2 bytes x (W-1)/W x (its shard's hidden parameters) -- a quarter of one fp32
-all-gather of the same matrices in each direction. Memory: the momentum (4 bytes per
-hidden parameter, sharded, in the checkpoint) instead of AdamW's 8, and, transiently
-during the step, the stacked bf16 shards and the owned whole matrices of one shape group
-(2 x 2 bytes x its shard) plus Newton-Schulz's bf16 temporaries of one matrix.
+2 x 2 bytes x (W-1)/W x (its shard's hidden parameters). Memory: the momentum (4 bytes
+per hidden parameter, sharded, in the checkpoint) instead of AdamW's 8, and, transiently
+during the step, the bf16 updates of its shards (2 bytes per hidden parameter), the
+stacked shards and owned whole matrices of one shape group (2 x 2 bytes x its share)
+and Newton-Schulz's bf16 temporaries of one matrix.
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ class ShardedMuon(torch.optim.Muon):
             updates = []
             for grad, buf in zip(grads, bufs):  # torch's momentum, elementwise: on the shards
                 buf.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+                # bf16 now: Newton-Schulz casts to it first anyway (the same bits), and the
+                # updates of every matrix are held until they are orthogonalised.
+                updates.append((grad.lerp(buf, momentum) if group["nesterov"] else buf).bfloat16())
 
             def newton_schulz(matrix):
                 return _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
@@ -105,7 +107,7 @@ def _orthogonalise_group(updates: list[DTensor], newton_schulz) -> list[DTensor]
     first = updates[0]
     mesh, placements, shape = first.device_mesh, tuple(first.placements), tuple(first.shape)
     owners = math.prod(mesh.size(d) for d, p in enumerate(placements) if not p.is_replicate())
-    local = [u.to_local().bfloat16() for u in updates]
+    local = [u.to_local() for u in updates]
     local += [torch.zeros_like(local[0])] * (-len(local) % owners)  # Newton-Schulz of zeros is zeros
     stacked_shape = (len(local), *shape)
     stacked = DTensor.from_local(torch.stack(local), mesh, [_one_dim_in(p) for p in placements], run_check=False,
