@@ -42,6 +42,7 @@ class Family:
     hf: str = ""                 # module with load_hf_weights_(model, dir) and save_hf(...), "" if none
     learned_positions: bool = False  # the position table is a weight: seq_len may not exceed it
     high_precision: tuple[str, ...] = ("output",)  # layers float8 training leaves alone
+    output_layer: str = "output"  # the output projection's module name: [optimizer] name = "Muon" leaves it to AdamW
 
     def config_class(self) -> type:
         return _load(self.config)
@@ -61,11 +62,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "Llama 3 (rotary positions, GQA, SwiGLU)", "meshtrain.models.llama.config:LlamaConfig",
            "meshtrain.models.llama.model:Llama", hf="meshtrain.models.llama.hf"),
     Family("gpt2", "GPT-2 / GPT-3 shapes (learned positions, tied embeddings)", "meshtrain.models.gpt2.config:GPT2Config",
-           "meshtrain.models.gpt2.model:GPT2", learned_positions=True, high_precision=("lm_head",)),
+           "meshtrain.models.gpt2.model:GPT2", learned_positions=True, high_precision=("lm_head",),
+           output_layer="lm_head"),
     Family("moe", "mixture of experts (DeepSeek-V3 / Qwen3-MoE shapes; Llama attention, routed + shared "
            "experts)", "meshtrain.models.moe.config:MoEConfig", "meshtrain.models.moe.model:MoETransformer"),
     Family("hf", "any Hugging Face causal LM, built from [model] hf_config", "meshtrain.models.hf.config:HFConfig",
-           "meshtrain.models.hf.model:HFModel", hf="meshtrain.models.hf.weights", high_precision=("lm_head",)),
+           "meshtrain.models.hf.model:HFModel", hf="meshtrain.models.hf.weights", high_precision=("lm_head",),
+           output_layer="lm_head"),
 )}
 
 

@@ -110,8 +110,8 @@ def judge_fit(peak: int, card, cfg, layout, model, world_size: int, gpus_per_nod
         out["estimate_missing"] = str(err)
         return out
     pp_rank = rank // (world_size // layout.pp)  # pp is the outermost mesh dimension
-    out["estimate"] = {"total": e.memory.total, "pp_rank": e.memory.pp_rank, "traced_pp_rank": pp_rank,
-                       "fits": e.memory.total <= usable_bytes(card)}
+    out["estimate"] = {"total": e.memory.total, "optimizer": e.memory.optimizer, "pp_rank": e.memory.pp_rank,
+                       "traced_pp_rank": pp_rank, "fits": e.memory.total <= usable_bytes(card)}
     return out
 
 

@@ -78,7 +78,17 @@ def memory_tracker(parts, optimizers):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if len(parts) == 1 and isinstance(parts[0], FSDPModule):
-        return peak_only(FSDPMemTracker)(parts[0], optimizers.optimizers[0])
+        class EveryOptimizer(peak_only(FSDPMemTracker)):
+            """FSDPMemTracker follows one optimizer (its state, and what its step allocates);
+            [optimizer] name = "Muon" gives a part two, Muon's first. The others' state is
+            optimizer state too (their steps are fused AdamW's, not traced)."""
+            def _instrument_optimizer(self) -> None:
+                super()._instrument_optimizer()
+                for opt in optimizers.optimizers[1:]:
+                    self._track_optimizer_states(_FSDPRefType.OPT, opt)
+
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+        return EveryOptimizer(parts[0], optimizers.optimizers[0])
     tracker = peak_only(MemTracker)()
     tracker.track_external(*parts, *optimizers.optimizers)
     return tracker

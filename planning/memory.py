@@ -165,9 +165,11 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
     block, embed, head = _units(m, t)
     local = rank_local_params(m, share, t)
     shard = shard_degree(lay)  # 1 under NO_SHARD: every rank holds whole model states
-    # With [lora] (job.trainable < 1) only the adapters have gradients and AdamW moments.
+    # With [lora] (job.trainable < 1) only the adapters have gradients and AdamW moments;
+    # with Muon its share of them (job.muon) keeps one moment, not two (spread evenly over
+    # the stages: the first and last hold more AdamW-only embedding and head).
     grad = job.trainable
-    mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=2 * FP32 * local / shard * grad)
+    mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=(2 - job.muon) * FP32 * local / shard * grad)
     zero2 = keeps_gathered(lay)
     accumulating = rank_batch(job, lay) > lay.local_batch
     held_grads = FP32 * local / shard * grad if accumulating else 0.0

@@ -111,6 +111,9 @@ class Job:
     trainable: float = 1.0
     lora: tuple = ()  # (rank, alpha, target_modules) of [lora], for the activation probe
     topology: Topology | None = None  # the links; None: a DGX / HGX-class node of `gpu` (planning/hardware.py)
+    # [optimizer] name = "Muon": the fraction of the trained parameters Muon updates (the
+    # hidden matrices), which keep one fp32 moment instead of AdamW's two.
+    muon: float = 0.0
 
     @property
     def world(self) -> int:

@@ -106,13 +106,16 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
     pp_mesh = submesh(mesh, "pp")
     clip_grad_norm_([q for _, part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
     comm.phase = "optimizer step"
-    if not all(opt.defaults.get("fused") for opt in optimizers.optimizers):
-        optimizers.step()
+    for opt in optimizers.optimizers:
+        if not opt.defaults.get("fused"):
+            opt.step()
     # A fused AdamW step updates parameters and state in place and allocates nothing once
     # its state exists, so it cannot move the peak. It is not traced: under fake tensors
     # some torch versions (2.11) run its out-of-place form, which would count a whole
     # second copy of parameters, gradients and state (measured on an H100: 64 GiB
-    # predicted for a 43 GiB step).
+    # predicted for a 43 GiB step). Muon's step is: its stacked shards and gathered
+    # matrices (training/muon.py) are transient memory of its own, and its all-to-alls
+    # are communication.
     return traced
 
 

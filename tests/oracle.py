@@ -59,22 +59,28 @@ class Run:
 def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], *, lr: float,
           max_norm: float, weight_decay: float = 0.1, betas=(0.9, 0.999), eps: float = 1e-8,
           decay_all: bool = True, lr_at: Callable[[int], float] | None = None,
-          dtype: torch.dtype = torch.float32, expert_bias_rate: float | None = None) -> Run:
+          dtype: torch.dtype = torch.float32, expert_bias_rate: float | None = None,
+          muon: set[str] = frozenset()) -> Run:
     """Train ``model`` (modified in place, cast to ``dtype``) on ``steps``: each step a list
     of (inputs, labels) micro-batches of equal size that together make the global batch.
     ``decay_all``: one AdamW group for everything (else matrices and embeddings decay,
     vectors do not). ``max_norm`` 0: no clipping. ``expert_bias_rate``: a mixture of
-    experts, balanced as `ExpertBalancing` says."""
+    experts, balanced as `ExpertBalancing` says. ``muon``: names of the parameters that
+    `torch.optim.Muon` (its defaults, this lr and weight decay) updates instead of AdamW."""
     model.to(dtype)
     balancing = ExpertBalancing(model, expert_bias_rate) if expert_bias_rate is not None else None
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": params, "weight_decay": weight_decay}] if decay_all else [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+    hidden = [p for name, p in model.named_parameters() if name in muon]
+    adamw = [p for p in params if all(p is not h for h in hidden)]
+    groups = [{"params": adamw, "weight_decay": weight_decay}] if decay_all else [
+        {"params": [p for p in adamw if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in adamw if p.ndim < 2], "weight_decay": 0.0}]
+    optimizers = [torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)]
+    if hidden:
+        optimizers.append(torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay))
     run = Run()
     for step, micro_batches in enumerate(steps):
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         total = 0.0
         if balancing is not None:
             balancing.before_step(sum(labels.numel() for _, labels in micro_batches))
@@ -87,10 +93,11 @@ def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if lr_at is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
-        optimizer.step()
+        for optimizer in optimizers:
+            if lr_at is not None:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step)
+            optimizer.step()
         if balancing is not None:
             balancing.after_step()
         run.losses.append(total)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT, one_process, torchrun
 from meshtrain.training.checkpoint import complete_checkpoints
 
 STEPS = 12
@@ -203,3 +203,33 @@ def test_a_key_the_schema_gained_or_lost_since_the_save_is_no_difference():
     assert config_differences(then.replace("lr = 0.001", "lr = 0.002"), now) == [
         "[optimizer] lr: 0.002 then, 0.001 now"]
 
+
+
+@pytest.mark.slow
+def test_muon_state_resumes_bitwise_and_under_another_layout(out):
+    """[optimizer] name = "Muon": its momentum (sharded like the weights) and AdamW's moments
+    are saved and loaded with DCP; a copy of step 6 resumes under dp 2 x tp 2 bitwise and
+    under fsdp 4 within rounding (another layout sums in another order)."""
+    muon = "--optimizer.name=Muon"
+    train(out, "muon_whole", *DP2_TP2, muon)
+    whole = losses(out, "muon_whole")
+    for name, layout in (("muon_resumed", DP2_TP2), ("muon_fsdp4", ("--parallelism.dp_shard=4", "--parallelism.tp=1"))):
+        shutil.copytree(out / "muon_whole" / "checkpoint" / "step-00000006",
+                        out / name / "checkpoint" / "step-00000006")
+        assert "resumed at step 6" in train(out, name, *layout, muon).stdout
+    assert torch.equal(losses(out, "muon_resumed", first=7), whole[6:])
+    torch.testing.assert_close(losses(out, "muon_fsdp4", first=7), whole[6:], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_adamw_is_refused_by_muon_even_when_told_to_resume(tmp_path):
+    """AdamW's moments are not Muon's momentum: one line that says so, not a damaged-checkpoint story."""
+    one = ["--parallelism.dp_shard=1", "--parallelism.tp=1", "--checkpoint.interval=2"]
+    first = one_process("train.py", *args(tmp_path, "switch", *one, "--training.steps=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = one_process("train.py", *args(tmp_path, "switch", *one, "--optimizer.name=Muon",
+                                         "--checkpoint.if_config_differs=resume"))
+    assert proc.returncode != 0
+    error = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert 'holds the state of [optimizer] name = "AdamW", and this run\'s name = "Muon"' in error[0]

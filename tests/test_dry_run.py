@@ -133,13 +133,15 @@ def test_a_config_that_cannot_fit_says_by_how_much_and_exits_1():
 
 
 @pytest.mark.slow
-def test_the_fake_trace_counts_what_the_same_step_on_real_tensors_allocates():
+@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
+def test_the_fake_trace_counts_what_the_same_step_on_real_tensors_allocates(optimizer):
     """The reference for the dry run's memory: the same rank's step on real CPU tensors
     (a fake process group, so no other rank is needed), tracked by the same tracker in
     eager mode, where torch's own rule keeps DTensor's shape propagation out. Under fake
     tensors that rule fails (the propagation reuses our fake mode) and the full-vocabulary
     logits of loss_parallel were counted on every rank: +17 % here, +13 GiB at 70B tp 8."""
-    over = ["--model.vocab_size=8192", "--training.seq_len=256"]  # tp 2 x dp 2, loss_parallel
+    over = ["--model.vocab_size=8192", "--training.seq_len=256",  # tp 2 x dp 2, loss_parallel
+            f"--optimizer.name={optimizer}"]  # Muon: its step (gathered matrices) is traced too
     fake = dry_run(load_config("debug_2d", over), 4, quiet=True)
     real = dry_run(load_config("debug_2d", over), 4, fake=False, quiet=True)
     assert fake["memory"]["total"] == pytest.approx(real["memory"]["total"], rel=0.01)
@@ -196,3 +198,26 @@ def test_lora_keeps_no_gradient_or_adamw_state_for_the_frozen_base_and_the_plann
     assert between["gradients"] == pytest.approx(4 * adapters, rel=0.05)
     assert between["optimizer state"] == pytest.approx(8 * adapters, rel=0.05)
     assert report["estimate"]["total"] == pytest.approx(report["memory"]["total"], rel=0.10)
+
+
+def test_muon_keeps_one_moment_for_the_hidden_matrices_and_adamws_two_for_the_rest():
+    """[optimizer] name = "Muon": between steps the optimizer state is Muon's momentum (4
+    bytes) per held hidden-matrix parameter and AdamW's m and v (8 bytes) for the rest."""
+    from meshtrain.models import registry
+    from meshtrain.training import recipe
+    from meshtrain.training.muon import hidden_matrices
+
+    cfg = load_config("llama3_8b", ["--model.flavor=1B", "--training.seq_len=256", "--training.local_batch_size=1",
+                                    "--training.global_batch_size=8", "--parallelism.sharding_strategy=FULL_SHARD",
+                                    "--optimizer.name=Muon"])
+    report = dry_run(cfg, 8, gpu="h100-80gb")
+    model = recipe.build_model(cfg, 1)
+    hidden = sum(p.numel() for p in hidden_matrices(model, registry.get("llama").output_layer)) / 8
+    held = report["parameters"]["held"]
+    assert 0.5 * held < hidden < held
+    assert report["memory_between_steps"]["optimizer state"] == pytest.approx(4 * hidden + 8 * (held - hidden),
+                                                                              rel=0.02)
+    # The planner's closed form agrees on the state (not on the step's transients: it has
+    # no model of Muon's step, which the CPU trace inflates with gloo's all-gather fallback).
+    assert report["estimate"]["optimizer"] == pytest.approx(report["memory_between_steps"]["optimizer state"],
+                                                            rel=0.02)

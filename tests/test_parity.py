@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One 4-process torchrun job trains every layout in turn (one start-up, not one per layout)."""
-    return train_layouts("tests/workers/parity.py", tmp_path_factory.mktemp("parity"), parity.LAYOUTS, nproc=4)
+    """One 4-process torchrun job trains every layout in turn (one start-up, not one per layout),
+    then Muon's faulty runs."""
+    return train_layouts("tests/workers/parity.py", tmp_path_factory.mktemp("parity"),
+                         [*parity.LAYOUTS, *parity.MUON_FAULTS], nproc=4)
 
 
 def _world(layout: str) -> int:
@@ -66,8 +68,17 @@ def oracle_for(overrides: dict, init: dict, accum: int = 1) -> oracle.Oracle:
         steps = [[(c[:, :-1], c[:, 1:]) for c in tokens.chunk(accum)] for tokens in parity.batches(vocab)]
         moe = overrides.get("family") == "moe"  # the loop's share of balancing the experts
         balancing = dict(expert_bias_rate=parity.build(overrides).cfg.bias_update_rate) if moe else {}
-        _oracles[key] = oracle.run_oracle(make, steps, with_unclipped=True, **oracle_settings(), **balancing)
+        muon = hidden_matrix_names(make()) if overrides.get("optimizer") == "Muon" else frozenset()
+        _oracles[key] = oracle.run_oracle(make, steps, with_unclipped=True, **oracle_settings(), **balancing,
+                                          muon=muon)
     return _oracles[key]
+
+
+def hidden_matrix_names(model) -> set[str]:
+    """What torch.optim.Muon's documentation gives Muon: the 2-D weights of the hidden
+    layers, not the embeddings (token, position) nor the output layer."""
+    ends = ("tok_embeddings.", "output.", "wte.", "wpe.", "lm_head.")
+    return {name for name, p in model.named_parameters() if p.ndim == 2 and not name.startswith(ends)}
 
 
 def oracle_settings() -> dict:
@@ -167,5 +178,19 @@ def test_moe_parity_check_catches_each_fault(faulty_runs, name):
     with pytest.raises(AssertionError, match="rounding scales from the plain-PyTorch reference"):
         assert_matches(got, overrides, 1, name)
     dev = oracle.deviations(got["losses"], got["grad_norms"], got["final"], oracle_for(overrides, got["init"]))
+    print(f"\n{name}: losses {dev['losses']:.0f}, grad norms {dev['grad_norms']:.0f}, "
+          f"weights {dev['final']:.0f} rounding scales (K = {oracle.K})")
+
+
+@pytest.mark.parametrize("name", parity.MUON_FAULTS)
+def test_muon_parity_check_catches_a_shard_orthogonalised_alone(runs, name):
+    """Muon's layouts pass (test_layout_matches_plain_pytorch) only because each matrix is
+    orthogonalised whole: Newton-Schulz on each rank's own shard fails the same check."""
+    layout = name.partition("+")[0]
+    got = runs[name]
+    with pytest.raises(AssertionError, match="rounding scales from the plain-PyTorch reference"):
+        assert_matches(got, parity.LAYOUTS[layout][2], 1, name)
+    dev = oracle.deviations(got["losses"], got["grad_norms"], got["final"],
+                            oracle_for(parity.LAYOUTS[layout][2], got["init"]))
     print(f"\n{name}: losses {dev['losses']:.0f}, grad norms {dev['grad_norms']:.0f}, "
           f"weights {dev['final']:.0f} rounding scales (K = {oracle.K})")

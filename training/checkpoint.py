@@ -113,7 +113,7 @@ def optimizer_state(parts: list[nn.Module], optimizers) -> dict:
     """Flattened optimizer state ("state.<param name>.exp_avg", ...): tensors only. The
     hyperparameters come from the config and the LR schedule, not from the file."""
     state = {}
-    for part, opt in zip(parts, optimizers.optimizers):
+    for part, opt in zip(parts, optimizers.per_part):
         flat = get_optimizer_state_dict(part, opt, options=_FLAT)
         state.update({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
     return state
@@ -278,6 +278,8 @@ class CheckpointManager:
                     f"{'; ...' if len(diff) > 6 else ''}). Resuming would mix two experiments: set "
                     f"[checkpoint] if_config_differs = \"resume\" to continue anyway, or point "
                     f"[job] output_dir / name at a new folder")
+        if not meta.get("model_only") and saved_job.is_file():
+            self._check_same_optimizer(path, saved_job.read_text())
         state = {"model": model_state(self.parts)}
         opt, copies = {}, []
         if not meta.get("model_only"):
@@ -306,7 +308,7 @@ class CheckpointManager:
         if "rng" in state:
             set_rng_state(state["rng"])
         if "optimizer" in state:
-            for part, opt in zip(self.parts, self.optimizers.optimizers):
+            for part, opt in zip(self.parts, self.optimizers.per_part):
                 full = get_optimizer_state_dict(part, opt, options=_FLAT)  # this run's hyperparameters
                 full.update({k: v for k, v in state["optimizer"].items() if k in full})
                 set_optimizer_state_dict(part, opt, full, options=_FLAT)
@@ -315,6 +317,19 @@ class CheckpointManager:
             if saved_peak is not None and saved_peak != self.schedulers.peak_lr:
                 say_lr_changed(saved_peak, self.schedulers.peak_lr, meta["step"], self.schedulers.get_last_lr()[0])
         return meta["step"], meta.get("dataloader", {})
+
+    def _check_same_optimizer(self, path: Path, saved_toml: str) -> None:
+        """AdamW's moments and Muon's momentum are different state: a checkpoint of one
+        cannot resume the other, whatever if_config_differs says."""
+        import tomllib
+
+        name = lambda text: tomllib.loads(text).get("optimizer", {}).get("name", "AdamW")
+        saved, now = name(saved_toml), name(self.job_config_text) if self.job_config_text else "AdamW"
+        if saved != now:
+            raise CheckpointError(
+                f'{path} holds the state of [optimizer] name = "{saved}", and this run\'s name = "{now}" keeps '
+                f'other state, so it cannot resume from it: use name = "{saved}", or point [job] output_dir / '
+                f"name at a new folder")
 
     def _read_tied_from_source(self, opt: dict) -> tuple[dict, list]:
         """The optimizer state to request from DCP, with a tied copy's entries

@@ -151,13 +151,29 @@ class TrainingSection:
 
 @dataclass
 class OptimizerSection:
-    name: str = opt("AdamW", "optimizer", choices=("AdamW",))
-    lr: float = opt(3e-4, "peak learning rate", gt=0, lt=math.inf)
+    name: str = opt("AdamW", "optimizer: AdamW, or Muon (torch.optim.Muon) for the 2-D hidden weights and "
+                    "AdamW for embeddings, the output layer, norms and biases (docs/optimizers.md)",
+                    choices=("AdamW", "Muon"))
+    lr: float = opt(3e-4, "peak learning rate (both optimizers with Muon)", gt=0, lt=math.inf)
     beta1: float = opt(0.9, "AdamW beta1", min=0, lt=1)
     beta2: float = opt(0.95, "AdamW beta2", min=0, lt=1)
     eps: float = opt(1e-8, "AdamW epsilon", gt=0, lt=math.inf)
-    weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only)", min=0,
-                              lt=math.inf)
+    weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only; both optimizers "
+                              "with Muon)", min=0, lt=math.inf)
+    momentum: float = opt(0.95, "Muon: momentum factor (torch.optim.Muon momentum)", min=0, lt=1)
+    nesterov: bool = opt(True, "Muon: Nesterov momentum (torch.optim.Muon nesterov)")
+    ns_steps: int = opt(5, "Muon: Newton-Schulz iterations (torch.optim.Muon ns_steps)", min=1, lt=100)
+    adjust_lr_fn: str = opt("original", "Muon: lr scale per matrix shape: original (sqrt(max(1, rows/cols)), "
+                            "torch's default) or match_rms_adamw (0.2 sqrt(max(rows, cols)), Moonlight's, "
+                            "for AdamW's lr and weight decay)", choices=("original", "match_rms_adamw"))
+
+    # torch.optim.Muon's settings here; its ns_coefficients and eps keep torch's defaults
+    # ([optimizer] eps is AdamW's).
+    MUON_KEYS = ("momentum", "nesterov", "ns_steps", "adjust_lr_fn")
+
+    def muon_settings(self) -> dict:
+        """torch.optim.Muon's keyword arguments beyond lr and weight_decay."""
+        return {k: getattr(self, k) for k in self.MUON_KEYS}
 
 
 @dataclass

@@ -172,6 +172,7 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
                           f"Accepted values: {', '.join(flavors)}.")
 
     _check_moe(cfg, sources)
+    _check_optimizer(cfg, sources)
 
     t = cfg.training
     if t.local_batch_size and t.global_batch_size % t.local_batch_size:
@@ -247,6 +248,28 @@ def _check_export_hf(cfg: JobConfig, sources) -> None:
     if importlib.util.find_spec("safetensors") is None:
         raise ConfigError(f'{where} writes safetensors, which is not installed: pip install "meshtrain[hf]" '
                           "(or pip install safetensors)")
+
+
+def _check_optimizer(cfg: JobConfig, sources) -> None:
+    """[optimizer]: Muon's keys set (to other than their defaults) only with name = "Muon",
+    which needs each whole matrix gathered by collectives on the device."""
+    o = cfg.optimizer
+    defaults = {f.name: default_of(f) for f in fields(o)}
+    given = [k for k in o.MUON_KEYS if ("optimizer", k) in sources and getattr(o, k) != defaults[k]]
+    if o.name != "Muon" and given:
+        where = _where("optimizer", given[0], getattr(o, given[0]), sources.get(("optimizer", given[0])))
+        raise ConfigError(f'{where} is a Muon setting, read only with [optimizer] name = "Muon" (name is '
+                          f'"{o.name}"). Remove it or use name = "Muon"')
+    if o.name != "Muon":
+        return
+    name = _where("optimizer", "name", o.name, sources.get(("optimizer", "name")))
+    if cfg.lora.enable:
+        raise ConfigError(f"{name} with [lora] enable = true: Muon orthogonalises whole hidden matrices, and "
+                          'LoRA trains low-rank adapters instead; use name = "AdamW" for LoRA')
+    if cfg.parallelism.cpu_offload:
+        raise ConfigError(f"{name} with [parallelism] cpu_offload = true: Muon gathers each hidden matrix with "
+                          'collectives on the device, where offloaded shards are not; use name = "AdamW" or '
+                          "cpu_offload = false")
 
 
 def _check_moe(cfg: JobConfig, sources) -> None:

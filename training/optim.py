@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay, and the learning-rate schedule.
+"""AdamW with decoupled weight decay (or Muon for the hidden matrices, training/muon.py,
+and AdamW for the rest), and the learning-rate schedule.
 
 Step convention: ``step`` is the number of optimizer steps already taken, 0-based, which
 is what LambdaLR passes (its ``last_epoch``). The lr at ``step`` is the lr used by the
@@ -18,21 +19,26 @@ import math
 import torch
 from torch import nn
 
+from meshtrain.training.muon import ShardedMuon, hidden_matrices
+
 DECAY_TYPES = ("cosine", "linear", "constant", "wsd")
 
 
 def build_optimizer(model: nn.Module, *, lr: float, beta1: float, beta2: float, eps: float,
-                    weight_decay: float) -> torch.optim.AdamW:
+                    weight_decay: float, leave_out: frozenset[int] = frozenset()) -> torch.optim.AdamW | None:
     """AdamW with two param groups: [0] matrices and embeddings (ndim >= 2) get weight
     decay, [1] norms and biases (ndim < 2) do not -- decaying a norm's gain toward zero
     only fights the normalisation. Frozen parameters (the base of a LoRA run) are left
     out: no moments are kept for them. Both groups exist whenever something trains in
     them, so group indices are the same for every model (and every checkpoint) of a kind;
     a LoRA run, whose adapters are all matrices, has the first alone (torch's flattened
-    optimizer state dict cannot hold an empty group)."""
+    optimizer state dict cannot hold an empty group). ``leave_out``: ids of parameters
+    another optimizer (Muon) updates; None when nothing is left for AdamW."""
     # DTensor.ndim is the global ndim, so sharding (a 1-D shard of a matrix) cannot move
     # a parameter from one group to the other.
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in leave_out]
+    if not params:
+        return None
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [
@@ -41,6 +47,8 @@ def build_optimizer(model: nn.Module, *, lr: float, beta1: float, beta2: float, 
     ]
     if not no_decay and len(params) < sum(1 for _ in model.parameters()):
         groups = groups[:1]
+    elif not decay:
+        groups = groups[1:]
     # fused: one kernel per group of tensors that reads each parameter, gradient and both
     # moments once. The foreach path instead materialises list-sized temporaries (a full
     # extra copy of the second moments, for one), which is both slower and a step-time
@@ -102,14 +110,25 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, t
 
 
 class Optimizers:
-    """One AdamW per model part (the pipeline stages on this rank; one part without a
-    pipeline), stepped as one. One per part because a checkpoint keys optimizer state by
-    parameter name, and torch's state-dict API maps an optimizer's parameters to the
-    names of one module: a part's names are the whole model's, whatever the cut."""
+    """The optimizers of each model part (the pipeline stages on this rank; one part
+    without a pipeline), stepped as one: AdamW, or with ``name="Muon"`` Muon for the part's
+    hidden matrices and AdamW for the rest (``muon``: torch.optim.Muon's settings beyond
+    lr and weight_decay, which both share). Per part because a checkpoint keys optimizer
+    state by parameter name, and torch's state-dict API maps an optimizer's parameters to
+    the names of one module: a part's names are the whole model's, whatever the cut.
+    ``per_part[i]``: part i's optimizers; ``optimizers``: all of them."""
 
-    def __init__(self, parts: list[nn.Module], **adamw):
+    def __init__(self, parts: list[nn.Module], *, name: str = "AdamW", output_layer: str = "output",
+                 muon: dict | None = None, **adamw):
         self.parts = list(parts)
-        self.optimizers = [build_optimizer(part, **adamw) for part in self.parts]
+        self.per_part = []
+        for part in self.parts:
+            hidden = hidden_matrices(part, output_layer) if name == "Muon" else []
+            mine = [ShardedMuon(hidden, lr=adamw["lr"], weight_decay=adamw["weight_decay"], **(muon or {}))] \
+                if hidden else []
+            rest = build_optimizer(part, **adamw, leave_out=frozenset(id(p) for p in hidden))
+            self.per_part.append(mine + ([rest] if rest is not None else []))
+        self.optimizers = [opt for opts in self.per_part for opt in opts]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:

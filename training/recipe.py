@@ -369,7 +369,9 @@ def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: ParallelDims
 
 def build_optimizer(cfg: JobConfig, modules: list[nn.Module]) -> tuple[Optimizers, Schedulers]:
     o, s = cfg.optimizer, cfg.lr_scheduler
-    optimizer = Optimizers(modules, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay)
+    optimizer = Optimizers(modules, name=o.name, output_layer=registry.get(cfg.model.name).output_layer,
+                           muon=o.muon_settings(), lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                           weight_decay=o.weight_decay)
     scheduler = Schedulers(optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
                            decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio, decay_ratio=s.decay_ratio)
     return optimizer, scheduler

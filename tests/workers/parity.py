@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshtrain.models import registry
 from meshtrain.models.gpt2 import GPT2
 from meshtrain.models.llama import Llama
 from meshtrain.models.moe import MoETransformer
@@ -52,6 +53,11 @@ LAYOUTS = {
     "moe_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe")),
     "moe_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="moe")),
     "moe_sigmoid_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe", score_func="sigmoid", route_scale=2.5)),
+    # [optimizer] name = "Muon": each hidden matrix whole on one rank of its shard group.
+    "muon_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(optimizer="Muon")),
+    "muon_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(optimizer="Muon")),
+    "muon_hsdp2x2": (dict(dp_replicate=2, dp_shard=2), "HYBRID_SHARD", dict(optimizer="Muon")),
+    "muon_gpt2_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="gpt2", optimizer="Muon")),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -80,13 +86,16 @@ PP_LAYOUTS = {
     "moe_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="moe"))),
     "gpt2_pp2_zbv": (dict(pp=2, dp_shard=1), "ZBVZeroBubble", dict(per_rank=2, micro=4,
                                                                     model=dict(family="gpt2"))),
+    "muon_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(optimizer="Muon"))),
+    "muon_pp2_dp2_tp2": (dict(pp=2, dp_shard=2, tp=2), "1F1B", dict(micro=2, model=dict(optimizer="Muon"))),
 }
 
 
 def build(overrides: dict, meta: bool = True):
     """The debug model (on meta unless ``meta=False``): GPT-2 or the mixture of experts when
-    overrides say family="gpt2" or "moe", else Llama."""
+    overrides say family="gpt2" or "moe", else Llama (``optimizer`` is not the model's)."""
     overrides = dict(overrides)
+    overrides.pop("optimizer", None)
     family = {"llama": Llama, "gpt2": GPT2, "moe": MoETransformer}[overrides.pop("family", "llama")]
     return family.from_flavor("debug", meta=meta, **overrides)
 
@@ -99,10 +108,15 @@ def batches(vocab_size: int) -> torch.Tensor:
     return (start + stride * torch.arange(SEQ + 1)) % vocab_size
 
 
-def optimizer_and_schedule(parts):
-    """What train.py builds: AdamW per part (decay on matrices and embeddings only), warmup
-    then cosine decay. The schedule moves the learning rate every step of these short runs."""
-    optimizer = Optimizers(parts, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=1e-8, weight_decay=WEIGHT_DECAY)
+def optimizer_and_schedule(parts, overrides: dict | None = None):
+    """What train.py builds: AdamW per part (decay on matrices and embeddings only) -- or
+    with overrides' optimizer="Muon", Muon (torch's defaults) for the hidden matrices and
+    AdamW for the rest -- warmup then cosine decay. The schedule moves the learning rate
+    every step of these short runs."""
+    overrides = overrides or {}
+    output_layer = registry.get(overrides.get("family", "llama")).output_layer
+    optimizer = Optimizers(parts, name=overrides.get("optimizer", "AdamW"), output_layer=output_layer, lr=LR,
+                           beta1=BETAS[0], beta2=BETAS[1], eps=1e-8, weight_decay=WEIGHT_DECAY)
     return optimizer, Schedulers(optimizer, warmup_steps=WARMUP, total_steps=STEPS, decay_type="cosine",
                                  min_lr_ratio=MIN_LR_RATIO, decay_ratio=0.0)
 
@@ -138,7 +152,7 @@ def run_pipeline(layout: str) -> dict:
                               loss_fn=pipeline_loss_fn(micro * accum), device=torch.device("cpu"))
     result = {"init": gather_stages(modules, pp_mesh), "losses": [], "grad_norms": [], "layers": layers,
               "tied": model.tied_weights()}
-    optimizer, scheduler = optimizer_and_schedule(modules)
+    optimizer, scheduler = optimizer_and_schedule(modules, opts.get("model", {}))
     for tokens in batches(model.cfg.vocab_size):
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         steps = [(c[:, :-1], c[:, 1:]) for c in local.chunk(accum)]
@@ -177,7 +191,7 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
             dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     model.init_weights(seed=0)
     result = {"init": full_weights(model), "losses": [], "grad_norms": []}
-    optimizer, scheduler = optimizer_and_schedule([model])
+    optimizer, scheduler = optimizer_and_schedule([model], overrides)
     per_rank = BATCH // dp_size
     for tokens in batches(model.cfg.vocab_size):
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
@@ -195,14 +209,18 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
 FAULTS = ("no_clip", "loss_not_divided", "grads_summed", "stage_left_out_of_norm", "lr_off_by_one")
 # A mixture of experts' own faults, each on a layout it shows in (run in the same start-up).
 MOE_FAULTS = ("moe_fsdp4+misrouted_token", "moe_fsdp4+loads_not_summed", "moe_pp2_dp2+balance_loss_unscaled")
+# Muon's: each rank orthogonalises its own shard of a matrix instead of the whole matrix.
+MUON_FAULTS = ("muon_fsdp4+shard_orthogonalised_alone", "muon_dp2_tp2+shard_orthogonalised_alone")
 
 
 @contextlib.contextmanager
 def injected(fault: str | None, dims: dict):
     """Break one thing, for the duration of one layout's run: the parity check must then fail
     (tests/test_parity.py::test_parity_check_catches_each_fault)."""
+    import meshtrain.training.muon as muon
     import meshtrain.training.step as step
 
+    orthogonalise_group = muon._orthogonalise_group
     clip, loss_fn, schedule = step.clip_grad_norm_, step.pipeline_loss_fn, globals()["optimizer_and_schedule"]
     moe_methods = (GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale)
     if fault == "no_clip":  # the norm is still computed and reported; nothing is scaled
@@ -222,8 +240,8 @@ def injected(fault: str | None, dims: dict):
             return clip(params, max_norm, **kw)
         step.clip_grad_norm_ = summed
     elif fault == "lr_off_by_one":  # the schedule one step ahead
-        def ahead(parts):
-            optimizer, scheduler = schedule(parts)
+        def ahead(parts, overrides=None):
+            optimizer, scheduler = schedule(parts, overrides)
             scheduler.step()
             return optimizer, scheduler
         globals()["optimizer_and_schedule"] = ahead
@@ -240,6 +258,11 @@ def injected(fault: str | None, dims: dict):
         MoETransformer.after_optimizer_step = lambda self, sum_over=(): update(self, sum_over=())
     elif fault == "balance_loss_unscaled":  # the step never tells the model its loss scale
         MoETransformer.set_loss_scale = lambda self, scale: None
+    elif fault == "shard_orthogonalised_alone":
+        def alone(updates, newton_schulz):
+            return [DTensor.from_local(newton_schulz(u.to_local()), u.device_mesh, u.placements, run_check=False,
+                                      shape=u.shape, stride=u.stride()) for u in updates]
+        muon._orthogonalise_group = alone
     elif fault is not None:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     try:
@@ -248,6 +271,7 @@ def injected(fault: str | None, dims: dict):
         step.clip_grad_norm_, step.pipeline_loss_fn = clip, loss_fn
         globals()["optimizer_and_schedule"] = schedule
         GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale = moe_methods
+        muon._orthogonalise_group = orthogonalise_group
 
 
 if __name__ == "__main__":
