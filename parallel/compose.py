@@ -14,6 +14,7 @@ from meshtrain.parallel.activation_checkpoint import apply_ac, apply_compile
 from meshtrain.parallel.async_tp import async_tp_unavailable, enable_async_tp
 from meshtrain.parallel.context_parallel import apply_cp
 from meshtrain.parallel.fsdp import apply_fsdp, fsdp_mesh, resolve_strategy
+from meshtrain.parallel.float8 import float8_tp_plan
 from meshtrain.parallel.lora import lora_tp_plan
 from meshtrain.parallel.mesh import check_tp_fits, submesh, with_one_rank_dp
 from meshtrain.parallel.tensor_parallel import apply_tp
@@ -79,7 +80,8 @@ def parallelize(
         if hasattr(model, "tp_divisible"):
             check_tp_fits(tp_mesh.size(), model.tp_divisible())
         plan = tp_plan if tp_plan is not None else _model_tp_plan(model, sequence_parallel, loss_parallel)
-        apply_tp(model, tp_mesh, lora_tp_plan(model, plan))  # LoRA adapters follow their base layers
+        # LoRA adapters follow their base layers; tensorwise float8 layers gather in float8
+        apply_tp(model, tp_mesh, float8_tp_plan(model, lora_tp_plan(model, plan), tp_mesh.device_type))
         if async_tp:
             enable_async_tp(tp_mesh)
     if submesh(mesh, "cp") is not None:  # attention exchanges heads for sequence over cp

@@ -1,10 +1,19 @@
 """Float8 training of the Linear layers, through torchao (an optional dependency).
 
 `convert_to_float8_training` swaps each chosen nn.Linear for torchao's Float8Linear, which
-casts its input, weight and output gradient to float8 with dynamic per-tensor scales for
-the three matmuls of forward and backward; the weights themselves (and FSDP's fp32 master
-copies) stay in high precision, so nothing else in the trainer changes. Convert before
-FSDP, which then shards the converted modules' weights as usual (TP is refused for now).
+casts its input, weight and output gradient to float8 with dynamic scales for the three
+matmuls of forward and backward; the weights themselves (and FSDP's fp32 master copies)
+stay in high precision, so nothing else in the trainer changes. Convert before TP and
+FSDP, which then shard the converted modules' weights as usual.
+
+Recipes (torchao's names): ``tensorwise`` -- one scale per tensor, the fastest, and the one
+whose casts can move before a collective: under TP the sequence all-gather in front of
+attention and the MLP then carries float8 (`float8_tp_plan`, torchao's float8 TP styles),
+and with ``enable_fsdp_float8_all_gather`` FSDP gathers the weights in float8 (half the
+bf16 bytes; the scales of all weights computed in one all-reduce at the start of each
+step, `precompute_float8_scales`). ``rowwise`` -- one scale per row, more accurate with
+outliers; its casts happen after the collectives (bf16 all-gathers), so TP runs with the
+plain styles.
 
 The output projection is left in high precision, as float8 recipes usually do: its
 logits go straight into the loss (and a tied one shares its weight with the embedding,
@@ -22,25 +31,41 @@ from torch import nn
 PIP_PACKAGE = "torchao"
 
 
-def float8_unavailable(device_type: str, tp: int = 1) -> str | None:
-    """Why float8 training cannot run here, naming every missing piece; None when it can."""
+RECIPES = ("tensorwise", "rowwise")
+
+
+def float8_unavailable(device_type: str) -> str | None:
+    """Why float8 training cannot run here, naming every missing piece; None when it can.
+    On CPU it runs on torch's reference float8 matmul: right numbers, no speed (the tests
+    run there)."""
     missing = []
     if importlib.util.find_spec("torchao") is None:
         missing.append(f"torchao is not installed (pip install {PIP_PACKAGE})")
-    if device_type != "cuda" or not torch.cuda.is_available():
-        missing.append(f"it needs a CUDA GPU with compute capability >= 8.9 (H100, H200, L4...); "
-                       f"this run is on {device_type}")
-    elif torch.cuda.get_device_capability() < (8, 9):
+    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         major, minor = torch.cuda.get_device_capability()
         missing.append(f"{torch.cuda.get_device_name()} has compute capability {major}.{minor}; float8 "
                        "matmuls need >= 8.9 (H100, H200, L4...)")
-    if tp > 1:
-        # torchao's float8 tensor parallelism needs its own TP styles, which our plans do not use.
-        missing.append(f"float8 with tensor parallelism (tp = {tp}) is not supported yet; use tp = 1")
     return "; ".join(missing) or None
 
 
-def apply_float8(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+def float8_config(recipe: str = "tensorwise", fsdp_float8_all_gather: bool = False):
+    """torchao's Float8LinearConfig for a recipe name, with FSDP's float8 all-gather if asked
+    (tensorwise only: a row's scale needs the whole row, which only the all-gather brings)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe not in RECIPES:
+        raise ValueError(f"float8 recipe {recipe!r}: accepted {', '.join(RECIPES)}")
+    if fsdp_float8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"enable_fsdp_float8_all_gather needs recipe = \"tensorwise\" (got {recipe!r}): a "
+                         "rowwise scale needs the whole row, which only the all-gather brings")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+
+
+def apply_float8(model: nn.Module, skip: tuple[str, ...] = (), recipe: str = "tensorwise",
+                 fsdp_float8_all_gather: bool = False) -> list[str]:
     """Convert ``model``'s Linear layers to float8 training, except those named in ``skip``
     (module names: the output head, which each family names in models/registry.py), those whose weight is
     tied to another module, and those with a size not divisible by 16. Works on a
@@ -49,6 +74,8 @@ def apply_float8(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
     if reason:
         raise ValueError(f"float8 training: {reason}")
     from torchao.float8 import convert_to_float8_training
+
+    config = float8_config(recipe, fsdp_float8_all_gather)
 
     converted = []
     seen, tied = set(), set()
@@ -62,5 +89,65 @@ def apply_float8(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
             converted.append(name)
         return ok
 
-    convert_to_float8_training(model, module_filter_fn=wanted)
+    convert_to_float8_training(model, config=config, module_filter_fn=wanted)
     return converted
+
+
+def float8_tp_plan(model: nn.Module, plan: dict, device_type: str) -> dict:
+    """``plan`` with the styles of tensorwise float8 layers swapped for torchao's float8 TP
+    styles: a Linear's input is cast to float8 before its sequence all-gather (half the
+    bytes), and a module whose inputs are redistributed for float8 layers (attention, the
+    MLP) casts once for all of them. Rowwise layers and high-precision ones keep their styles,
+    and so does every layer off CUDA: gloo has no float8 collectives, so there the casts
+    come after the (high-precision) gathers -- the same numbers, twice the bytes."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    gathers_float8 = {name for name, m in model.named_modules() if _tensorwise_float8(m)}
+    if not gathers_float8 or device_type != "cuda":
+        return plan
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
+
+    from meshtrain.parallel.tensor_parallel import plan_key_matches
+
+    paths = [name for name, _ in model.named_modules()]
+    out = {}
+    for key, style in plan.items():
+        matched = [p for p in paths if plan_key_matches(key, p)] if any(c in key for c in "*?[") else [key]
+        if type(style) in (ColwiseParallel, RowwiseParallel) and matched and all(p in gathers_float8 for p in matched):
+            float8_style = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+            out[key] = float8_style(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                                    use_local_output=style.use_local_output)
+        elif type(style) is PrepareModuleInput and matched and not style.input_kwarg_layouts:
+            # Every input redistributed here feeds float8 layers only if all its Linear children are float8.
+            children = [f"{p}.{c}" for p in matched for c, m in model.get_submodule(p).named_children()
+                        if isinstance(m, nn.Linear)]
+            if children and all(c in gathers_float8 for c in children):
+                first = children[0].rsplit(".", 1)[1]
+                out[key] = PrepareFloat8ModuleInput(input_layouts=style.input_layouts,
+                                                    desired_input_layouts=style.desired_input_layouts,
+                                                    use_local_output=style.use_local_output,
+                                                    fwd_config_submodule_fqn=first)
+            else:
+                out[key] = style
+        else:
+            out[key] = style
+    return out
+
+
+def _tensorwise_float8(module: nn.Module) -> bool:
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+
+    return (isinstance(module, Float8Linear)
+            and module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE)
+
+
+def precompute_float8_scales(modules: list[nn.Module]) -> None:
+    """Before a step, with FSDP's float8 all-gather: every weight's float8 scale from one
+    all-reduce of all their maxima (over the whole weight, as one process would scale it),
+    instead of one per layer inside the forward's all-gathers."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for module in modules:
+        precompute_float8_dynamic_scale_for_fsdp(module)

@@ -10,5 +10,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 # The trackers' extras too: tests/test_trackers.py runs each against its real package;
 # and peft: tests/test_lora.py proves [lora] against PEFT's own LoRA.
-"$PY" -m pip install --quiet -e ".[dev,lora,wandb,mlflow,trackio]"
+"$PY" -m pip install --quiet -e ".[dev,lora,wandb,mlflow,trackio,float8]"
 "$PY" -c "import torch; print(f'meshtrain ready: torch {torch.__version__}, cuda={torch.cuda.is_available()}')"

@@ -197,56 +197,67 @@ def test_async_tp_is_refused_by_parallelize_on_cpu(fake_world):
         parallelize(Llama.from_flavor("debug", meta=True), mesh, compile=True, async_tp=True)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is not None, reason="torchao is installed here")
-def test_float8_without_torchao_names_the_pip_package():
+def test_float8_without_torchao_names_the_pip_package(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     cfg = cfg_with("--float8.enable=true")
     with pytest.raises(ConfigError) as err:
         recipe.check_speed_options(cfg, dims_of(cfg, 1))
     msg = str(err.value)
-    assert msg.startswith("[float8] enable = true cannot run here")
-    assert "pip install torchao" in msg and "CUDA" in msg
+    assert msg.startswith("[float8] enable = true cannot run here") and "pip install torchao" in msg
     with pytest.raises(ValueError, match=r"pip install torchao"):
         apply_float8(Llama.from_flavor("debug", meta=True))
 
 
-def test_float8_with_torchao_but_no_gpu_or_with_tp_says_so(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
+def test_float8_with_tp_on_cpu_passes_the_check_and_rowwise_all_gather_is_refused():
     cfg = cfg_with("--float8.enable=true", "--parallelism.tp=2", "--parallelism.dp_shard=1")
-    with pytest.raises(ConfigError) as err:
-        recipe.check_speed_options(cfg, dims_of(cfg, 2))
-    msg = str(err.value)
-    assert "pip install" not in msg
-    assert "needs a CUDA GPU with compute capability >= 8.9" in msg and "tp = 2" in msg
+    recipe.check_speed_options(cfg, dims_of(cfg, 2))  # torch's CPU float8 matmul runs it
+    cfg = cfg_with("--float8.enable=true", "--float8.recipe=rowwise", "--float8.enable_fsdp_float8_all_gather=true")
+    with pytest.raises(ConfigError, match=r'enable_fsdp_float8_all_gather = true needs recipe = "tensorwise"'):
+        recipe.check_speed_options(cfg, dims_of(cfg, 1))
 
 
-def test_float8_would_convert_every_linear_but_the_output_head(monkeypatch):
-    """torchao is absent here, so a stand-in records which modules our filter hands it."""
-    import types
-
-    from meshtrain.parallel import float8
-
-    asked = []
-
-    def convert_to_float8_training(module, module_filter_fn):
-        asked.extend(name for name, m in module.named_modules() if module_filter_fn(m, name))
-
-    fake = types.ModuleType("torchao.float8")
-    fake.convert_to_float8_training = convert_to_float8_training
-    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
-    monkeypatch.setitem(sys.modules, "torchao.float8", fake)
-    monkeypatch.setattr(float8, "float8_unavailable", lambda *a, **k: None)
+def test_float8_converts_every_linear_but_the_output_head():
+    from torchao.float8.float8_linear import Float8Linear
 
     from meshtrain.models import registry
 
-    converted = apply_float8(Llama.from_flavor("debug", meta=True), skip=registry.get("llama").high_precision)
-    assert converted == asked and "output" not in converted
-    assert len(converted) == 4 * 7  # wq wk wv wo w1 w2 w3 in each of the 4 blocks
+    model = Llama.from_flavor("debug", meta=True)
+    converted = apply_float8(model, skip=registry.get("llama").high_precision)
+    assert converted == [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert "output" not in converted and len(converted) == 4 * 7  # wq wk wv wo w1 w2 w3 in each of 4 blocks
 
     tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(64, 32), "head": torch.nn.Linear(32, 64, bias=False),
                                 "body": torch.nn.Linear(32, 32), "odd": torch.nn.Linear(32, 24)})
     tied["head"].weight = tied["embed"].weight
     assert apply_float8(tied, skip=()) == ["body"]  # not the tied head, not a size float8 cannot tile
+
+
+def test_float8_tp_styles_swap_only_tensorwise_layers_on_cuda():
+    """On CUDA the tensorwise float8 layers take torchao's float8 TP styles (their sequence
+    all-gathers carry float8); the output head and every style on CPU (gloo has no float8
+    collectives) stay as the model's plan says."""
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    from meshtrain.parallel.float8 import float8_tp_plan
+
+    model = Llama.from_flavor("debug", meta=True)
+    plan = model.tp_plan()
+    apply_float8(model, skip=("output",))
+    swapped = float8_tp_plan(model, plan, "cuda")
+    kinds = {key: type(style) for key, style in swapped.items()}
+    assert kinds["layers.0.attention.wq"] is Float8ColwiseParallel
+    assert kinds["layers.0.feed_forward.w2"] is Float8RowwiseParallel
+    assert kinds["layers.0.attention"] is PrepareFloat8ModuleInput
+    assert kinds["layers.0.feed_forward"] is PrepareFloat8ModuleInput
+    assert kinds["output"] is ColwiseParallel
+    assert float8_tp_plan(model, plan, "cpu") is plan
+    rowwise = Llama.from_flavor("debug", meta=True)
+    apply_float8(rowwise, skip=("output",), recipe="rowwise")
+    assert {type(s) for s in float8_tp_plan(rowwise, plan, "cuda").values()} <= {
+        ColwiseParallel, RowwiseParallel, PrepareModuleInput, *{type(s) for s in plan.values()}}
 
 
 def test_options_that_can_run_pass_the_check():

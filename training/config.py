@@ -288,7 +288,14 @@ class CompileSection:
 @dataclass
 class Float8Section:
     enable: bool = opt(False, "train the Linear layers (not the output layer) in float8 with "
-                       "torchao (pip install torchao; CUDA with compute capability >= 8.9)")
+                       "torchao (pip install torchao; CUDA with compute capability >= 8.9; on CPU torch's "
+                       "reference float8 matmul: right numbers, no speed-up)")
+    recipe: str = opt("tensorwise", "torchao's scaling recipe: tensorwise (one scale per tensor; float8 "
+                      "all-gathers under TP) or rowwise (one per row: more accurate with outliers)",
+                      choices=("tensorwise", "rowwise"))
+    enable_fsdp_float8_all_gather: bool = opt(False, "FSDP gathers the float8 layers' weights in float8 (half "
+                                              "the bf16 bytes), their scales computed at the start of each "
+                                              "step in one all-reduce; tensorwise only")
 
 
 @dataclass

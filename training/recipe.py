@@ -27,7 +27,7 @@ from meshtrain.models import registry
 from meshtrain.parallel import LayoutError, ParallelDims, mixed_precision_policy, parallelize, submesh
 from meshtrain.parallel.async_tp import async_tp_unavailable
 from meshtrain.parallel.context_parallel import check_cp_fits
-from meshtrain.parallel.float8 import apply_float8, float8_unavailable
+from meshtrain.parallel.float8 import apply_float8, float8_unavailable, precompute_float8_scales
 from meshtrain.parallel.lora import LoraError, is_adapter, lora_tp_plan
 from meshtrain.parallel.fsdp import check_strategy
 from meshtrain.parallel.pipeline import build_schedule, check_pipeline, split_into_stages
@@ -321,9 +321,13 @@ def check_speed_options(cfg: JobConfig, dims: ParallelDims) -> None:
         if reason:
             raise ConfigError(f"[compile] async_tp = true cannot run here: {reason}")
     if cfg.float8.enable:
-        reason = float8_unavailable(dev, tp=dims.tp)
+        reason = float8_unavailable(dev)
         if reason:
             raise ConfigError(f"[float8] enable = true cannot run here: {reason}")
+        if cfg.float8.enable_fsdp_float8_all_gather and cfg.float8.recipe != "tensorwise":
+            raise ConfigError(f'[float8] enable_fsdp_float8_all_gather = true needs recipe = "tensorwise" (got '
+                              f'"{cfg.float8.recipe}"): a rowwise scale needs the whole row, which only the '
+                              "all-gather brings")
 
 
 @dataclass
@@ -359,7 +363,8 @@ def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: ParallelDims
     if (t.mixed_precision_param, t.mixed_precision_reduce) != ("float32", "float32"):
         mixed = mixed_precision_policy(t.mixed_precision_param, t.mixed_precision_reduce)
     if cfg.float8.enable:  # first: FSDP then shards the float8 layers' weights as usual
-        apply_float8(part, skip=registry.get(cfg.model.name).high_precision)
+        apply_float8(part, skip=registry.get(cfg.model.name).high_precision, recipe=cfg.float8.recipe,
+                     fsdp_float8_all_gather=cfg.float8.enable_fsdp_float8_all_gather)
     return parallelize(part, mesh, sharding_strategy=layout.strategy, mixed_precision=mixed,
                        cpu_offload=p.cpu_offload, sequence_parallel=p.sequence_parallel,
                        loss_parallel=p.loss_parallel, activation_checkpoint=layout.ac,
@@ -392,7 +397,7 @@ def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Opti
         def step(micro_batches, number):
             return train_step(model, optimizer, micro_batches, max_norm=t.max_norm, loss_parallel=loss_parallel,
                               dp_mesh=dp_mesh, cp_mesh=cp_mesh, device=device, step=number, skip_nonfinite=True)
-        return step
+        return with_float8_scales(cfg, run, step)
 
     # A weight tied across stages (GPT-2's embedding and output) has a copy at each end.
     tied = tie_across_stages(run.modules, mesh, pp_mesh, run.model.tied_weights())
@@ -404,7 +409,21 @@ def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Opti
                                    max_norm=t.max_norm, loss_parallel=loss_parallel, dp_mesh=dp_mesh,
                                    pp_mesh=pp_mesh, cp_mesh=cp_mesh, device=device, step=number,
                                    skip_nonfinite=True, tied=tied)
-    return step
+    return with_float8_scales(cfg, run, step)
+
+
+def with_float8_scales(cfg: JobConfig, run: Parts, step):
+    """With FSDP's float8 all-gather, each step begins by computing every weight's float8
+    scale from the weights as they are (`precompute_float8_scales`: one all-reduce), so the
+    first step and a resumed one gather with the same scales as every other; otherwise
+    ``step`` itself."""
+    if not (cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather):
+        return step
+
+    def scales_then_step(micro_batches, number):
+        precompute_float8_scales(run.modules)
+        return step(micro_batches, number)
+    return scales_then_step
 
 
 def model_metrics(run: Parts) -> dict[str, float]:
