@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshtrain.parallel.expert_parallel import check_ep_fits
 from meshtrain.parallel.mesh import LayoutError, build_device_mesh, check_tp_fits, launched_world_size
 from meshtrain.parallel.vocabulary import DIM_NAMES, placement
 
@@ -31,6 +32,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1                    # expert parallelism: ranks borrowed from dp_shard (parallel/expert_parallel.py)
     world_size: int | None = None  # default: the launched world (WORLD_SIZE)
     # How each step runs (parallel/vocabulary.py has the accepted values).
     strategy: str = "FULL_SHARD"   # the FSDP sharding strategy, resolved ("auto" never stays)
@@ -56,6 +58,8 @@ class ParallelDims:
             elif value < 1 and not (name == "dp_shard" and value == -1):
                 accepted = ">= 1, or -1 to infer" if name == "dp_shard" else ">= 1"
                 problems.append(f"{name}={value} must be {accepted}")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            problems.append(f"ep={self.ep!r} must be an integer >= 1")
         if problems:
             raise LayoutError("invalid parallel degrees: " + "; ".join(problems))
 
@@ -76,6 +80,9 @@ class ParallelDims:
                 f"{self.pp}*{self.dp_replicate}*{self.dp_shard}{cp}*{self.tp} = {product}, "
                 f"but the world size is {self.world_size}"
             )
+        if self.dp_shard % self.ep:
+            raise LayoutError(f"ep={self.ep} borrows its ranks from dp_shard={self.dp_shard}, which it must "
+                              f"divide ({self.dp_shard} % {self.ep} = {self.dp_shard % self.ep})")
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -111,10 +118,16 @@ class ParallelDims:
         return global_batch // (self.dp * self.local_batch)
 
     def check_model(self, divisible: dict[str, int], *, seq_len: int | None = None,
-                    sequence_parallel: bool = True, gpus_per_node: int | None = None) -> None:
-        """Check this layout against a model (see `check_tp_fits`)."""
+                    sequence_parallel: bool = True, gpus_per_node: int | None = None,
+                    ep_divisible: dict[str, int] | None = None) -> None:
+        """Check this layout against a model (see `check_tp_fits`, `check_ep_fits`;
+        ``ep_divisible``: what ep splits, None for a model without experts)."""
         check_tp_fits(self.tp, divisible, seq_len=seq_len, sequence_parallel=sequence_parallel,
                       gpus_per_node=gpus_per_node)
+        problems = check_ep_fits(self.ep, dp_shard=self.dp_shard, divisible=ep_divisible,
+                                 dp_replicate=self.dp_replicate, cp=self.cp)
+        if problems:
+            raise LayoutError("layout does not fit the model: " + "; ".join(problems))
 
     def build_mesh(self, device_type: str | None = None, timeout_seconds: float | None = None) -> DeviceMesh:
         """Initialize the process group if needed and build the mesh of these degrees

@@ -52,6 +52,12 @@ LAYOUTS = {
     "moe_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe")),
     "moe_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="moe")),
     "moe_sigmoid_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe", score_func="sigmoid", route_scale=2.5)),
+    # Expert parallelism: experts split over ep ranks borrowed from dp_shard, tokens sent to
+    # them and back by all-to-all; the experts' FSDP shards over dp_shard / ep (2, then 1).
+    "moe_ep2_fsdp4": (dict(dp_shard=4, ep=2), "FULL_SHARD", dict(family="moe")),
+    "moe_ep4_fsdp4": (dict(dp_shard=4, ep=4), "FULL_SHARD", dict(family="moe")),
+    # ep x tp: each tp rank routes the same tokens and exchanges them within its own ep group.
+    "moe_ep2_dp2_tp2": (dict(dp_shard=2, tp=2, ep=2), "FULL_SHARD", dict(family="moe")),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -78,6 +84,7 @@ PP_LAYOUTS = {
     "gpt2_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="gpt2"))),
     "moe_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(family="moe"))),
     "moe_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="moe"))),
+    "moe_pp2_ep2": (dict(pp=2, dp_shard=2, ep=2), "1F1B", dict(micro=2, model=dict(family="moe"))),
     "gpt2_pp2_zbv": (dict(pp=2, dp_shard=1), "ZBVZeroBubble", dict(per_rank=2, micro=4,
                                                                     model=dict(family="gpt2"))),
 }
@@ -129,7 +136,7 @@ def run_pipeline(layout: str) -> dict:
                             local_batch=per_rank // accum, split_points=opts.get("split", ()))
     parts = split_into_stages(model, pp_mesh, layers, style=SCHEDULES[schedule_name][1])
     for _, part in parts:
-        parallelize(part, mesh, sharding_strategy=opts.get("strategy", "auto"))
+        parallelize(part, mesh, sharding_strategy=opts.get("strategy", "auto"), ep=dims.get("ep", 1))
         part.init_weights(seed=0)
     modules = [part for _, part in parts]
     ids = [i for i, _ in parts]
@@ -170,7 +177,7 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     dp_rank, dp_size, dp_mesh, tp_mesh = 0, 1, None, None
     if layout is not None:
         mesh = ParallelDims(**dims).build_mesh()
-        model = parallelize(model, mesh, sharding_strategy=strategy,
+        model = parallelize(model, mesh, sharding_strategy=strategy, ep=dims.get("ep", 1),
                             sequence_parallel=layout not in NO_SEQUENCE_PARALLEL)
         dp_mesh, tp_mesh = submesh(mesh, "dp"), submesh(mesh, "tp")
         if dp_mesh is not None:
