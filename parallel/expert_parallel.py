@@ -89,6 +89,11 @@ class ExpertParallel(ParallelStyle):
         x_sorted, tokens_per_expert = inputs
         ep_mesh = _ep_of(device_mesh)
         P = ep_mesh.size()
+        if _shape_only(x_sorted):
+            # Meta or fake tensors (the dry run): the group sizes are data. Every rank is taken
+            # to receive as many rows as it sends (balanced routing), so nothing moves.
+            module._ep_state = None
+            return x_sorted, tokens_per_expert.view(P, -1).sum(dim=0)
         # Every rank learns how many rows each peer sends to each of its experts.
         received = all_to_all_single(tokens_per_expert, None, None, ep_mesh).wait().view(P, -1)
         send_splits = tokens_per_expert.view(P, -1).sum(dim=1).tolist()
@@ -103,11 +108,19 @@ class ExpertParallel(ParallelStyle):
         return x[order], received.sum(dim=0)
 
     def _combine(self, module, out, device_mesh):
-        order, send_splits, recv_splits = module._ep_state
-        del module._ep_state
+        state, module._ep_state = module._ep_state, None
+        if state is None:
+            return out
+        order, send_splits, recv_splits = state
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all_single_autograd(out[back], send_splits, recv_splits, _ep_of(device_mesh))
+
+
+def _shape_only(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return x.is_meta or is_fake(x)
 
 
 def _ep_of(mesh: DeviceMesh) -> DeviceMesh:

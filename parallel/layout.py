@@ -80,9 +80,6 @@ class ParallelDims:
                 f"{self.pp}*{self.dp_replicate}*{self.dp_shard}{cp}*{self.tp} = {product}, "
                 f"but the world size is {self.world_size}"
             )
-        if self.dp_shard % self.ep:
-            raise LayoutError(f"ep={self.ep} borrows its ranks from dp_shard={self.dp_shard}, which it must "
-                              f"divide ({self.dp_shard} % {self.ep} = {self.dp_shard % self.ep})")
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -118,16 +115,21 @@ class ParallelDims:
         return global_batch // (self.dp * self.local_batch)
 
     def check_model(self, divisible: dict[str, int], *, seq_len: int | None = None,
-                    sequence_parallel: bool = True, gpus_per_node: int | None = None,
-                    ep_divisible: dict[str, int] | None = None) -> None:
-        """Check this layout against a model (see `check_tp_fits`, `check_ep_fits`;
-        ``ep_divisible``: what ep splits, None for a model without experts)."""
+                    sequence_parallel: bool = True, gpus_per_node: int | None = None) -> None:
+        """Check this layout against a model (see `check_tp_fits`)."""
         check_tp_fits(self.tp, divisible, seq_len=seq_len, sequence_parallel=sequence_parallel,
                       gpus_per_node=gpus_per_node)
+
+    def ep_problems(self, ep_divisible: dict[str, int] | None, strategy: str | None = None) -> list[str]:
+        """What stops ``ep`` on this layout and model (``ep_divisible``: what ep splits, None
+        for a model without experts; ``strategy``: the resolved FSDP strategy); [] if nothing."""
         problems = check_ep_fits(self.ep, dp_shard=self.dp_shard, divisible=ep_divisible,
                                  dp_replicate=self.dp_replicate, cp=self.cp)
-        if problems:
-            raise LayoutError("layout does not fit the model: " + "; ".join(problems))
+        strategy = strategy or self.strategy
+        if self.ep > 1 and strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            problems.append(f"ep={self.ep} shards expert weights with FSDP over dp_shard / ep, which "
+                            f"sharding_strategy {strategy} does not do: use FULL_SHARD or SHARD_GRAD_OP")
+        return problems
 
     def build_mesh(self, device_type: str | None = None, timeout_seconds: float | None = None) -> DeviceMesh:
         """Initialize the process group if needed and build the mesh of these degrees

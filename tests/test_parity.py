@@ -27,7 +27,7 @@ def _world(layout: str) -> int:
 
 
 FAULT_LAYOUT = "pp2_dp2"  # pipeline + data parallel + micro-batches + clipping + schedule: every fault applies
-FAULTY = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS] + list(parity.MOE_FAULTS)
+FAULTY = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS] + list(parity.MOE_FAULTS) + list(parity.EP_FAULTS)
 
 
 def _world_of_run(name: str) -> int:
@@ -170,3 +170,36 @@ def test_moe_parity_check_catches_each_fault(faulty_runs, name):
     dev = oracle.deviations(got["losses"], got["grad_norms"], got["final"], oracle_for(overrides, got["init"]))
     print(f"\n{name}: losses {dev['losses']:.0f}, grad norms {dev['grad_norms']:.0f}, "
           f"weights {dev['final']:.0f} rounding scales (K = {oracle.K})")
+
+
+EP_LAYOUTS = [name for name, (dims, _, _) in parity.LAYOUTS.items() if dims.get("ep", 1) > 1]
+
+
+def assert_experts_split(experts: dict, ep: int, tp: int, layout: str) -> None:
+    """Every routed-experts weight is split by expert over an "ep" mesh dimension of ep ranks
+    (FSDP shards it further over dp_shard / ep) and replicated over tp."""
+    assert experts, f"{layout}: no routed experts recorded"
+    for name, spec in experts.items():
+        assert spec, f"{layout}: {name} is a plain tensor"
+        dims, sizes, placements = spec
+        assert "ep" in dims and sizes[dims.index("ep")] == ep, f"{layout}: {name} is not split over ep = {ep}: {spec}"
+        assert placements[dims.index("ep")] == "S(0)", f"{layout}: {name} is not split by expert: {spec}"
+        if tp > 1:
+            assert placements[dims.index("tp")] == "R", f"{layout}: {name}: {spec}"
+
+
+@pytest.mark.parametrize("layout", EP_LAYOUTS)
+def test_expert_parallel_layout_splits_the_experts(runs, layout):
+    dims = parity.LAYOUTS[layout][0]
+    assert_experts_split(runs[layout]["experts"], dims["ep"], dims.get("tp", 1), layout)
+
+
+@pytest.mark.parametrize("name", parity.EP_FAULTS)
+def test_expert_split_check_catches_experts_left_whole(faulty_runs, name):
+    """With the split left out the numbers still match (plain FSDP is right too): the check
+    of where the experts live is what fails."""
+    layout = name.partition("+")[0]
+    got, dims = faulty_runs[name], parity.LAYOUTS[layout][0]
+    assert_matches(got, parity.LAYOUTS[layout][2], 1, name)
+    with pytest.raises(AssertionError, match="is not split over ep"):
+        assert_experts_split(got["experts"], dims["ep"], dims.get("tp", 1), name)

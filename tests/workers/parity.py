@@ -194,24 +194,43 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
         result["losses"].append(loss)
         result["grad_norms"].append(norm)
     result["final"] = full_weights(model)
+    result["experts"] = where_experts_live(model)
     return result
+
+
+def where_experts_live(model) -> dict[str, tuple]:
+    """For each routed-experts weight: (mesh dimension names, their sizes, placements), ()
+    for a plain tensor: what says whether expert parallelism split it."""
+    out = {}
+    for name, module in getattr(model, "expert_modules", dict)().items():
+        for key, p in module.named_parameters():
+            out[f"{name}.{key}"] = ((p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape), tuple(map(str, p.placements)))
+                                    if isinstance(p, DTensor) else ())
+    return out
 
 
 # ---------------------------------------------------------------- faults a parallel trainer really has
 
 FAULTS = ("no_clip", "loss_not_divided", "grads_summed", "stage_left_out_of_norm", "lr_off_by_one")
 # A mixture of experts' own faults, each on a layout it shows in (run in the same start-up).
-MOE_FAULTS = ("moe_fsdp4+misrouted_token", "moe_fsdp4+loads_not_summed", "moe_pp2_dp2+balance_loss_unscaled")
+MOE_FAULTS = ("moe_fsdp4+misrouted_token", "moe_fsdp4+loads_not_summed", "moe_pp2_dp2+balance_loss_unscaled",
+              "moe_ep2_fsdp4+combine_misplaced")
+# Expert parallelism quietly left out: the numbers still match (experts replicated under plain
+# FSDP are correct too); the check of where the experts live must catch it.
+EP_FAULTS = ("moe_ep2_fsdp4+experts_not_split",)
 
 
 @contextlib.contextmanager
 def injected(fault: str | None, dims: dict):
     """Break one thing, for the duration of one layout's run: the parity check must then fail
     (tests/test_parity.py::test_parity_check_catches_each_fault)."""
+    import meshtrain.parallel.compose as compose
     import meshtrain.training.step as step
+    from meshtrain.parallel.expert_parallel import ExpertParallel
 
     clip, loss_fn, schedule = step.clip_grad_norm_, step.pipeline_loss_fn, globals()["optimizer_and_schedule"]
     moe_methods = (GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale)
+    combine, apply_ep = ExpertParallel._combine, compose.apply_ep
     if fault == "no_clip":  # the norm is still computed and reported; nothing is scaled
         step.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, 0.0, **kw)
     elif fault == "stage_left_out_of_norm":  # each pipeline stage clips by its own norm
@@ -247,6 +266,14 @@ def injected(fault: str | None, dims: dict):
         MoETransformer.after_optimizer_step = lambda self, sum_over=(): update(self, sum_over=())
     elif fault == "balance_loss_unscaled":  # the step never tells the model its loss scale
         MoETransformer.set_loss_scale = lambda self, scale: None
+    elif fault == "combine_misplaced":  # the combine hands two results back to each other's token
+        def misplaced(self, module, out, device_mesh):
+            out = out.clone()
+            out[[0, -1]] = out[[-1, 0]]
+            return combine(self, module, out, device_mesh)
+        ExpertParallel._combine = misplaced
+    elif fault == "experts_not_split":  # ep asked for, every rank still holds every expert
+        compose.apply_ep = lambda model, mesh, ep: []
     elif fault is not None:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     try:
@@ -255,6 +282,7 @@ def injected(fault: str | None, dims: dict):
         step.clip_grad_norm_, step.pipeline_loss_fn = clip, loss_fn
         globals()["optimizer_and_schedule"] = schedule
         GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale = moe_methods
+        ExpertParallel._combine, compose.apply_ep = combine, apply_ep
 
 
 if __name__ == "__main__":
