@@ -58,6 +58,9 @@ LAYOUTS = {
     "moe_ep4_fsdp4": (dict(dp_shard=4, ep=4), "FULL_SHARD", dict(family="moe")),
     # ep x tp: each tp rank routes the same tokens and exchanges them within its own ep group.
     "moe_ep2_dp2_tp2": (dict(dp_shard=2, tp=2, ep=2), "FULL_SHARD", dict(family="moe")),
+    # Half the steps under ep 2, a DCP checkpoint, the rest resumed from it under ep 4: the
+    # experts resharded (4 per rank, then 2) and the run as if never stopped.
+    "moe_ep2_resumed_ep4": (dict(dp_shard=4, ep=2, resume_ep=4), "FULL_SHARD", dict(family="moe")),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -173,6 +176,8 @@ def gather_stages(modules, pp_mesh) -> dict[str, torch.Tensor]:
 def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     """``layout=None``: the single-process reference (no process group, plain tensors)."""
     dims, strategy, overrides = LAYOUTS[layout] if layout else ({}, "FULL_SHARD", model_overrides or {})
+    dims = dict(dims)
+    resume_ep = dims.pop("resume_ep", None)
     model = build(overrides)
     dp_rank, dp_size, dp_mesh, tp_mesh = 0, 1, None, None
     if layout is not None:
@@ -186,7 +191,10 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     result = {"init": full_weights(model), "losses": [], "grad_norms": []}
     optimizer, scheduler = optimizer_and_schedule([model])
     per_rank = BATCH // dp_size
-    for tokens in batches(model.cfg.vocab_size):
+    for step, tokens in enumerate(batches(model.cfg.vocab_size)):
+        if resume_ep is not None and step == STEPS // 2:
+            model, optimizer, scheduler = resumed_under(resume_ep, model, optimizer, scheduler, mesh, strategy,
+                                                        overrides, CHECKPOINTS / layout)
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         loss, norm = train_step(model, optimizer, [(local[:, :-1], local[:, 1:])], max_norm=MAX_NORM,
                                 loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
@@ -196,6 +204,31 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     result["final"] = full_weights(model)
     result["experts"] = where_experts_live(model)
     return result
+
+
+def resumed_under(ep: int, model, optimizer, scheduler, mesh, strategy: str, overrides: dict, path: Path):
+    """Save model and optimizer with DCP as training/checkpoint.py does, then build the model
+    again under expert-parallel degree ``ep`` and load them into it (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    from meshtrain.training.checkpoint import _FLAT, model_state, optimizer_state
+
+    dcp.save({"model": model_state([model]), "optimizer": optimizer_state([model], optimizer)}, checkpoint_id=path)
+    schedule = scheduler.state_dict()
+    new = parallelize(build(overrides), mesh, sharding_strategy=strategy, ep=ep)
+    new.init_weights(seed=1)  # other weights: the checkpoint's must replace every one
+    new_optimizer, new_scheduler = optimizer_and_schedule([new])
+    state = {"model": model_state([new]), "optimizer": optimizer_state([new], new_optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(new, state["model"], options=StateDictOptions(strict=True))
+    inner = new_optimizer.optimizers[0]  # one part: one torch optimizer
+    full = get_optimizer_state_dict(new, inner, options=_FLAT)
+    full.update({k: v for k, v in state["optimizer"].items() if k in full})
+    set_optimizer_state_dict(new, inner, full, options=_FLAT)
+    new_scheduler.load_state_dict(schedule)
+    return new, new_optimizer, new_scheduler
 
 
 def where_experts_live(model) -> dict[str, tuple]:
@@ -285,8 +318,11 @@ def injected(fault: str | None, dims: dict):
         ExpertParallel._combine, compose.apply_ep = combine, apply_ep
 
 
+CHECKPOINTS = Path(".")  # where resumed layouts save (set below: the output folder)
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    CHECKPOINTS = out / "checkpoints"
     for name in sys.argv[2:]:  # LAYOUT or LAYOUT+FAULT
         layout, _, fault = name.partition("+")
         with injected(fault or None, (PP_LAYOUTS if layout in PP_LAYOUTS else LAYOUTS)[layout][0]):
