@@ -75,6 +75,12 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return out
 
 
+def made_expert_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The expert mesh `expert_mesh` made from ``mesh``, None if none was (ep = 1)."""
+    cached = getattr(mesh, "_meshtrain_expert_mesh", None)
+    return cached[1] if cached is not None else None
+
+
 class ExpertParallel(ParallelStyle):
     """Split a module's weights by their leading (expert) dimension over the ep mesh and
     wrap its forward with the dispatch and combine all-to-alls. ``device_mesh``: the ep
@@ -90,9 +96,12 @@ class ExpertParallel(ParallelStyle):
         ep_mesh = _ep_of(device_mesh)
         P = ep_mesh.size()
         if _shape_only(x_sorted):
-            # Meta or fake tensors (the dry run): the group sizes are data. Every rank is taken
-            # to receive as many rows as it sends (balanced routing), so nothing moves.
-            module._ep_state = None
+            # Meta or fake tensors (the dry run): the group sizes are data. Routing is taken to
+            # be even -- each rank sends every peer 1/P of its rows and receives as many -- so
+            # the traced step holds both all-to-alls at their even-routing size.
+            module._ep_state = None if x_sorted.is_meta or x_sorted.shape[0] % P else "even"
+            if module._ep_state == "even":
+                x_sorted = all_to_all_single_autograd(x_sorted, None, None, ep_mesh)
             return x_sorted, tokens_per_expert.view(P, -1).sum(dim=0)
         # Every rank learns how many rows each peer sends to each of its experts.
         received = all_to_all_single(tokens_per_expert, None, None, ep_mesh).wait().view(P, -1)
@@ -111,6 +120,8 @@ class ExpertParallel(ParallelStyle):
         state, module._ep_state = module._ep_state, None
         if state is None:
             return out
+        if state == "even":
+            return all_to_all_single_autograd(out, None, None, _ep_of(device_mesh))
         order, send_splits, recv_splits = state
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)

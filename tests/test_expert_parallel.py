@@ -41,3 +41,19 @@ def test_one_process_runs_moe_debug_with_ep_1():
     cfg = load_config("moe_debug", ["--parallelism.dp_shard=1", "--parallelism.ep=1"])
     layout = plan_layout(cfg, build_model(cfg, 256), world_size=1, this_machine=False)
     assert (layout.dp_shard, layout.ep) == (1, 1)
+
+
+def test_dry_run_counts_the_dispatch_and_combine_all_to_alls_at_even_routing():
+    """docs/moe.md's traffic formula, from the traced step: per MoE layer four all-to-alls
+    (dispatch, combine, and their gradients) of T x top_k rows of dim fp32 numbers, of which
+    (ep - 1) / ep leave the rank."""
+    from meshtrain.planning.dry_run import dry_run
+    from meshtrain.training.config_loader import load_config
+
+    cfg = load_config("moe_debug", ["--training.seq_len=64"])
+    report = dry_run(cfg, 4)
+    count, payload, sent = report["comm"][("ep", "all-to-all")]
+    moe_layers, tokens, top_k, dim, ep = 3, 2 * 64, 2, 64, 2  # 8 sequences over 4 ranks: 2 each
+    assert count == 4 * moe_layers
+    assert payload == 4 * moe_layers * tokens * top_k * dim * 4
+    assert sent == payload * (ep - 1) / ep
