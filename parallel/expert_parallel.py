@@ -101,6 +101,7 @@ class ExpertParallel(ParallelStyle):
             # the traced step holds both all-to-alls at their even-routing size.
             module._ep_state = None if x_sorted.is_meta or x_sorted.shape[0] % P else "even"
             if module._ep_state == "even":
+                all_to_all_single(tokens_per_expert, None, None, ep_mesh)  # the counts, as a real step sends them
                 x_sorted = all_to_all_single_autograd(x_sorted, None, None, ep_mesh)
             return x_sorted, tokens_per_expert.view(P, -1).sum(dim=0)
         # Every rank learns how many rows each peer sends to each of its experts.

@@ -43,17 +43,22 @@ def test_one_process_runs_moe_debug_with_ep_1():
     assert (layout.dp_shard, layout.ep) == (1, 1)
 
 
-def test_dry_run_counts_the_dispatch_and_combine_all_to_alls_at_even_routing():
-    """docs/moe.md's traffic formula, from the traced step: per MoE layer four all-to-alls
-    (dispatch, combine, and their gradients) of T x top_k rows of dim fp32 numbers, of which
-    (ep - 1) / ep leave the rank."""
+def ep_all_to_all_bytes(moe_layers: int, tokens: int, top_k: int, dim: int, n_experts: int) -> tuple[int, int]:
+    """docs/moe.md's traffic formula: per MoE layer and step, four all-to-alls (dispatch,
+    combine, and their gradients) of tokens x top_k rows of dim fp32 numbers, and one of
+    the n_experts int64 counts; whatever the routing. -> (count, payload bytes)."""
+    return 5 * moe_layers, moe_layers * (4 * tokens * top_k * dim * 4 + n_experts * 8)
+
+
+def test_dry_run_counts_the_dispatch_and_combine_all_to_alls():
+    """The traced step's all-to-alls on the ep group, by the formula ((ep - 1) / ep of the
+    bytes leave the rank at the dry run's even routing). tests/test_parity.py checks that a
+    real step of the parity layout moe_ep2_fsdp4 sends what the same formula says."""
     from meshtrain.planning.dry_run import dry_run
     from meshtrain.training.config_loader import load_config
 
-    cfg = load_config("moe_debug", ["--training.seq_len=64"])
-    report = dry_run(cfg, 4)
+    report = dry_run(load_config("moe_debug", ["--training.seq_len=64"]), 4)
     count, payload, sent = report["comm"][("ep", "all-to-all")]
-    moe_layers, tokens, top_k, dim, ep = 3, 2 * 64, 2, 64, 2  # 8 sequences over 4 ranks: 2 each
-    assert count == 4 * moe_layers
-    assert payload == 4 * moe_layers * tokens * top_k * dim * 4
-    assert sent == payload * (ep - 1) / ep
+    # 8 sequences over 4 ranks: 2 each; the debug flavor: 3 MoE layers, top 2 of 8, dim 64.
+    assert (count, payload) == ep_all_to_all_bytes(moe_layers=3, tokens=2 * 64, top_k=2, dim=64, n_experts=8)
+    assert sent == payload * (2 - 1) / 2

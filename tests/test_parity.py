@@ -129,6 +129,17 @@ def test_clipping_binds_in_the_reference():
         assert judge.fp32.losses[-1] < 0.99 * judge.fp32.losses[0]  # and it learns
 
 
+def test_clipping_binds_in_the_moe_reference():
+    """The mixture of experts' reference clips every step too (torch.nn.utils.clip_grad_norm_
+    on the plain model), and without clipping its weights land far outside the tolerance: the
+    expert-parallel layouts' norms, summed over weights on two meshes, are checked by it."""
+    overrides = dict(family="moe")
+    judge = oracle_for(overrides, single_process_init(overrides))
+    assert min(judge.fp32.grad_norms) > parity.MAX_NORM
+    dev = oracle.deviations(judge.unclipped.losses, judge.unclipped.grad_norms, judge.unclipped.final, judge)
+    assert dev["final"] > 100 * oracle.K, dev
+
+
 def test_report_deviations(runs, pp_runs):
     """Printed with -s: each layout's largest deviation, in the reference's rounding
     scales, next to the tolerance oracle.K."""
@@ -193,6 +204,22 @@ def test_expert_parallel_layout_splits_the_experts(runs, layout):
     dims = parity.LAYOUTS[layout][0]
     ep = dims.get("resume_ep", dims["ep"])  # a resumed layout ends under its second degree
     assert_experts_split(runs[layout]["experts"], ep, dims.get("tp", 1), layout)
+
+
+def test_a_real_expert_parallel_step_sends_what_the_dry_run_counts(runs):
+    """The all-to-all bytes of moe_ep2_fsdp4's first step, counted on each rank as it ran:
+    their mean is the formula the dry run's count is checked against
+    (tests/test_expert_parallel.py). A rank sends its own token copies and the results of
+    the copies it received; routing decides how many it receives, but over all ranks the
+    received are the sent."""
+    from tests.test_expert_parallel import ep_all_to_all_bytes
+
+    per_rank = [rows[("ep", "all-to-all")] for rows in runs["moe_ep2_fsdp4"]["collectives"]]
+    cfg = parity.build({"family": "moe"}).cfg
+    count, payload = ep_all_to_all_bytes(cfg.n_layers - cfg.n_dense_layers, parity.BATCH // 4 * parity.SEQ,
+                                         cfg.top_k, cfg.dim, cfg.n_experts)
+    assert [c for c, _, _ in per_rank] == [count] * 4
+    assert sum(p for _, p, _ in per_rank) == 4 * payload
 
 
 @pytest.mark.parametrize("name", parity.EP_FAULTS)

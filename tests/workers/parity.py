@@ -196,14 +196,31 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
             model, optimizer, scheduler = resumed_under(resume_ep, model, optimizer, scheduler, mesh, strategy,
                                                         overrides, CHECKPOINTS / layout)
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        loss, norm = train_step(model, optimizer, [(local[:, :-1], local[:, 1:])], max_norm=MAX_NORM,
-                                loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
+        with counting_collectives(mesh if dims.get("ep", 1) > 1 and step == 0 else None) as comm:
+            loss, norm = train_step(model, optimizer, [(local[:, :-1], local[:, 1:])], max_norm=MAX_NORM,
+                                    loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
+        if comm is not None:  # what each rank's first step sent, by mesh dimension and kind (the dry run's counter)
+            result["collectives"] = [None] * dist.get_world_size()
+            dist.all_gather_object(result["collectives"], dict(comm.stats.rows))
         scheduler.step()
         result["losses"].append(loss)
         result["grad_norms"].append(norm)
     result["final"] = full_weights(model)
     result["experts"] = where_experts_live(model)
     return result
+
+
+@contextlib.contextmanager
+def counting_collectives(mesh):
+    """planning/collectives.py's counter of the dry run, here on a real step; None: off."""
+    if mesh is None:
+        yield None
+        return
+    from meshtrain.planning.collectives import CountCollectives, mesh_group_names
+
+    comm = CountCollectives(mesh_group_names(mesh))
+    with comm:
+        yield comm
 
 
 def resumed_under(ep: int, model, optimizer, scheduler, mesh, strategy: str, overrides: dict, path: Path):
