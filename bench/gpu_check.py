@@ -354,7 +354,8 @@ def masked_training_runs(out: Path) -> dict:
 MOE_STEP = ["--config", "moe_debug", "--model.flavor=qwen3_30b_a3b", "--model.n_layers=3", "--moe.top_k=8",
             "--moe.balance_loss_coef=0.001", "--moe.bias_update_rate=0", "--training.seq_len=4096",
             "--training.global_batch_size=2", "--training.local_batch_size=2", "--training.steps=12",
-            "--training.mixed_precision_param=bfloat16", "--parallelism.dp_shard=1", "--metrics.log_freq=1"]
+            "--training.mixed_precision_param=bfloat16", "--parallelism.dp_shard=1", "--parallelism.ep=1",
+            "--metrics.log_freq=1"]
 
 
 def moe_rows(device: torch.device, out: Path, deadline: float) -> dict:

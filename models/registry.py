@@ -25,6 +25,12 @@ Optional -- the step calls them on each model part that has them (models/moe/mod
     active_parameters() -> int  parameters one token uses, when fewer than all (MFU counts these)
     metrics() -> {tag: value}   extra scalars to log on logged steps (after after_optimizer_step);
                                 a tag several pipeline stages report is summed over them
+
+Optional -- what expert parallelism (`[parallelism] ep`, parallel/expert_parallel.py) splits:
+    expert_modules() -> {name: module}  modules whose forward is forward(x_sorted,
+                                tokens_per_expert) (rows grouped by expert) with weights
+                                [n_experts, ...]; a model without it refuses ep > 1
+    ep_divisible() -> {what: size}  the sizes ep must divide (the routed experts)
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from meshtrain.parallel.activation_checkpoint import apply_ac, apply_compile
 from meshtrain.parallel.async_tp import async_tp_unavailable, enable_async_tp
 from meshtrain.parallel.context_parallel import apply_cp
+from meshtrain.parallel.expert_parallel import apply_ep, check_ep_fits, expert_mesh
 from meshtrain.parallel.fsdp import apply_fsdp, fsdp_mesh, resolve_strategy
 from meshtrain.parallel.float8 import float8_tp_plan
 from meshtrain.parallel.lora import lora_tp_plan
-from meshtrain.parallel.mesh import check_tp_fits, submesh, with_one_rank_dp
+from meshtrain.parallel.mesh import LayoutError, check_tp_fits, submesh, with_one_rank_dp
 from meshtrain.parallel.tensor_parallel import apply_tp
 from meshtrain.parallel.wrap import modules_to_wrap
 
@@ -39,6 +40,7 @@ def parallelize(
     ac_every: int = 2,
     compile: bool = False,
     async_tp: bool = False,
+    ep: int = 1,
 ) -> nn.Module:
     """Apply TP (where the mesh has a tp dimension) and FSDP (where it has data parallelism,
     or where mixed precision / CPU offload need it: then over a one-rank dimension).
@@ -64,12 +66,23 @@ def parallelize(
 
     ``async_tp`` overlaps TP collectives with matmuls inside the compiled blocks (CUDA,
     ``compile=True`` and a tp dimension; see parallel/async_tp.py).
+
+    ``ep`` > 1 splits ``model.expert_modules()`` over ep ranks borrowed from dp_shard and
+    shards their weights over the dp_shard / ep ranks left (parallel/expert_parallel.py).
     """
     if (mixed_precision is not None or cpu_offload) and submesh(mesh, "dp_cp") is None:
         # No data parallelism (one process, or TP / PP alone): FSDP over a data-parallel
         # dimension of one rank communicates nothing, but it is what keeps fp32 master
         # weights while computing in bf16 (or offloads to the CPU).
         mesh = with_one_rank_dp(mesh)
+    experts = []
+    if ep > 1:  # first: TP then leaves the expert weights (already DTensors) alone
+        divisible = model.ep_divisible() if hasattr(model, "expert_modules") else None
+        problems = check_ep_fits(ep, dp_shard=_size(mesh, "dp_shard"), divisible=divisible,
+                                 dp_replicate=_size(mesh, "dp_replicate"), cp=_size(mesh, "cp"))
+        if problems:
+            raise LayoutError("; ".join(problems))
+        experts = apply_ep(model, mesh, ep)
     tp_mesh = submesh(mesh, "tp")
     if async_tp:
         reason = async_tp_unavailable(mesh.device_type, compile=compile,
@@ -114,8 +127,17 @@ def parallelize(
         else:
             raise ValueError(f"{type(model).__name__} has no fsdp_units(); pass fsdp_units, "
                              "block_classes or min_num_params")
+    if experts and dp_mesh.mesh_dim_names != ("dp_shard",):
+        raise LayoutError(f"ep={ep} needs FSDP over dp_shard alone; sharding_strategy {sharding_strategy} "
+                          "is not supported with it: use FULL_SHARD or SHARD_GRAD_OP")
+    expert_units = (experts, expert_mesh(mesh, ep)["dp_shard_mod_ep"]) if experts else None
     return apply_fsdp(model, dp_mesh, fsdp_units, strategy=sharding_strategy,
-                      mp_policy=mixed_precision, cpu_offload=cpu_offload)
+                      mp_policy=mixed_precision, cpu_offload=cpu_offload, expert_units=expert_units)
+
+
+def _size(mesh: DeviceMesh, name: str) -> int:
+    sub = submesh(mesh, name)
+    return sub.size() if sub is not None else 1
 
 
 def _blocks(model: nn.Module, blocks, block_classes) -> list[nn.Module]:

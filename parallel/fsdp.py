@@ -124,13 +124,26 @@ class _Degrees:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, units: list, *, strategy: str = "FULL_SHARD",
-               mp_policy: MixedPrecisionPolicy | None = None, cpu_offload: bool = False) -> nn.Module:
+               mp_policy: MixedPrecisionPolicy | None = None, cpu_offload: bool = False,
+               expert_units: tuple[list, DeviceMesh] | None = None) -> nn.Module:
     """`fully_shard` each unit (a module, or a list of modules gathered together) bottom-up,
-    then the root, which holds whatever no unit claimed."""
+    then the root, which holds whatever no unit claimed. ``expert_units``: (modules already
+    split over expert parallelism, the mesh of the ranks holding the same experts), sharded
+    first over that mesh (parallel/expert_parallel.py)."""
     reshard = STRATEGIES[strategy] == 3  # ZeRO-3: free the gathered parameters after forward
     kwargs = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
                   if cpu_offload else OffloadPolicy())
+    for experts in (expert_units[0] if expert_units else []):
+        fully_shard(experts, **{**kwargs, "mesh": expert_units[1]}, reshard_after_forward=reshard)
+        # Each expert's gradient already sums the tokens of every data-parallel rank (the
+        # all-to-all brought them); it is reduced over the fewer ranks holding that expert,
+        # but must be divided like every other gradient, by the whole data-parallel size.
+        experts.set_gradient_divide_factor(float(dp_mesh.size()))
+        if dp_mesh.device_type == "cpu" and expert_units[1].size() > 1:
+            # gloo has no pre-multiplied sum: a plain sum, then divide. (Not over one rank:
+            # torch 2.13 then divides twice.)
+            experts.set_force_sum_reduction_for_comms(True)
     for i, unit in enumerate(units):
         # The last unit to run forward is the first needed in backward: freeing its
         # parameters only to gather them again at once would waste an all-gather.

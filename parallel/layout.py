@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshtrain.parallel.expert_parallel import check_ep_fits
 from meshtrain.parallel.mesh import LayoutError, build_device_mesh, check_tp_fits, launched_world_size
 from meshtrain.parallel.vocabulary import DIM_NAMES, placement
 
@@ -31,6 +32,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1                    # expert parallelism: ranks borrowed from dp_shard (parallel/expert_parallel.py)
     world_size: int | None = None  # default: the launched world (WORLD_SIZE)
     # How each step runs (parallel/vocabulary.py has the accepted values).
     strategy: str = "FULL_SHARD"   # the FSDP sharding strategy, resolved ("auto" never stays)
@@ -56,6 +58,8 @@ class ParallelDims:
             elif value < 1 and not (name == "dp_shard" and value == -1):
                 accepted = ">= 1, or -1 to infer" if name == "dp_shard" else ">= 1"
                 problems.append(f"{name}={value} must be {accepted}")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            problems.append(f"ep={self.ep!r} must be an integer >= 1")
         if problems:
             raise LayoutError("invalid parallel degrees: " + "; ".join(problems))
 
@@ -115,6 +119,17 @@ class ParallelDims:
         """Check this layout against a model (see `check_tp_fits`)."""
         check_tp_fits(self.tp, divisible, seq_len=seq_len, sequence_parallel=sequence_parallel,
                       gpus_per_node=gpus_per_node)
+
+    def ep_problems(self, ep_divisible: dict[str, int] | None, strategy: str | None = None) -> list[str]:
+        """What stops ``ep`` on this layout and model (``ep_divisible``: what ep splits, None
+        for a model without experts; ``strategy``: the resolved FSDP strategy); [] if nothing."""
+        problems = check_ep_fits(self.ep, dp_shard=self.dp_shard, divisible=ep_divisible,
+                                 dp_replicate=self.dp_replicate, cp=self.cp)
+        strategy = strategy or self.strategy
+        if self.ep > 1 and strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            problems.append(f"ep={self.ep} shards expert weights with FSDP over dp_shard / ep, which "
+                            f"sharding_strategy {strategy} does not do: use FULL_SHARD or SHARD_GRAD_OP")
+        return problems
 
     def build_mesh(self, device_type: str | None = None, timeout_seconds: float | None = None) -> DeviceMesh:
         """Initialize the process group if needed and build the mesh of these degrees

@@ -89,4 +89,9 @@ def mesh_group_names(mesh) -> dict[str, tuple[str, int]]:
             except Exception:
                 continue
             names.setdefault(flat.get_group().group_name, ("x".join(dims[i:j]), flat.size()))
+    from meshtrain.parallel.expert_parallel import EXPERT_DIMS, made_expert_mesh
+
+    experts = made_expert_mesh(mesh)  # expert parallelism: its all-to-alls, the experts' FSDP
+    for dim in EXPERT_DIMS if experts is not None else ():
+        names.setdefault(experts[dim].get_group().group_name, (dim, experts[dim].size()))
     return names

@@ -11,7 +11,7 @@ from tests.train_oracle import logged
 def moe_run(tmp_path, name, *more):
     return tiny_run(tmp_path, name, "--training.seq_len=32", "--training.global_batch_size=4",
                     "--metrics.enable_tensorboard=true", "--metrics.log_freq=1", "--optimizer.lr=3e-3",
-                    *more, config="moe_debug")
+                    "--parallelism.ep=1", *more, config="moe_debug")
 
 
 def test_moe_debug_trains_and_logs_the_expert_loads(tmp_path):

@@ -24,11 +24,12 @@ def runs(tmp_path_factory):
 
 
 def _world(layout: str) -> int:
-    return math.prod(parity.PP_LAYOUTS[layout][0].values())
+    dims = parity.PP_LAYOUTS[layout][0]  # ep borrows its ranks from dp_shard: it adds none
+    return math.prod(size for name, size in dims.items() if name != "ep")
 
 
 FAULT_LAYOUT = "pp2_dp2"  # pipeline + data parallel + micro-batches + clipping + schedule: every fault applies
-FAULTY = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS] + list(parity.MOE_FAULTS)
+FAULTY = [f"{FAULT_LAYOUT}+{fault}" for fault in parity.FAULTS] + list(parity.MOE_FAULTS) + list(parity.EP_FAULTS)
 
 
 def _world_of_run(name: str) -> int:
@@ -139,6 +140,17 @@ def test_clipping_binds_in_the_reference():
         assert judge.fp32.losses[-1] < 0.99 * judge.fp32.losses[0]  # and it learns
 
 
+def test_clipping_binds_in_the_moe_reference():
+    """The mixture of experts' reference clips every step too (torch.nn.utils.clip_grad_norm_
+    on the plain model), and without clipping its weights land far outside the tolerance: the
+    expert-parallel layouts' norms, summed over weights on two meshes, are checked by it."""
+    overrides = dict(family="moe")
+    judge = oracle_for(overrides, single_process_init(overrides))
+    assert min(judge.fp32.grad_norms) > parity.MAX_NORM
+    dev = oracle.deviations(judge.unclipped.losses, judge.unclipped.grad_norms, judge.unclipped.final, judge)
+    assert dev["final"] > 100 * oracle.K, dev
+
+
 def test_report_deviations(runs, pp_runs):
     """Printed with -s: each layout's largest deviation, in the reference's rounding
     scales, next to the tolerance oracle.K."""
@@ -194,3 +206,51 @@ def test_muon_parity_check_catches_a_shard_orthogonalised_alone(runs, name):
                             oracle_for(parity.LAYOUTS[layout][2], got["init"]))
     print(f"\n{name}: losses {dev['losses']:.0f}, grad norms {dev['grad_norms']:.0f}, "
           f"weights {dev['final']:.0f} rounding scales (K = {oracle.K})")
+EP_LAYOUTS = [name for name, (dims, _, _) in parity.LAYOUTS.items() if dims.get("ep", 1) > 1]
+
+
+def assert_experts_split(experts: dict, ep: int, tp: int, layout: str) -> None:
+    """Every routed-experts weight is split by expert over an "ep" mesh dimension of ep ranks
+    (FSDP shards it further over dp_shard / ep) and replicated over tp."""
+    assert experts, f"{layout}: no routed experts recorded"
+    for name, spec in experts.items():
+        assert spec, f"{layout}: {name} is a plain tensor"
+        dims, sizes, placements = spec
+        assert "ep" in dims and sizes[dims.index("ep")] == ep, f"{layout}: {name} is not split over ep = {ep}: {spec}"
+        assert placements[dims.index("ep")] == "S(0)", f"{layout}: {name} is not split by expert: {spec}"
+        if tp > 1:
+            assert placements[dims.index("tp")] == "R", f"{layout}: {name}: {spec}"
+
+
+@pytest.mark.parametrize("layout", EP_LAYOUTS)
+def test_expert_parallel_layout_splits_the_experts(runs, layout):
+    dims = parity.LAYOUTS[layout][0]
+    ep = dims.get("resume_ep", dims["ep"])  # a resumed layout ends under its second degree
+    assert_experts_split(runs[layout]["experts"], ep, dims.get("tp", 1), layout)
+
+
+def test_a_real_expert_parallel_step_sends_what_the_dry_run_counts(runs):
+    """The all-to-all bytes of moe_ep2_fsdp4's first step, counted on each rank as it ran:
+    their mean is the formula the dry run's count is checked against
+    (tests/test_expert_parallel.py). A rank sends its own token copies and the results of
+    the copies it received; routing decides how many it receives, but over all ranks the
+    received are the sent."""
+    from tests.test_expert_parallel import ep_all_to_all_bytes
+
+    per_rank = [rows[("ep", "all-to-all")] for rows in runs["moe_ep2_fsdp4"]["collectives"]]
+    cfg = parity.build({"family": "moe"}).cfg
+    count, payload = ep_all_to_all_bytes(cfg.n_layers - cfg.n_dense_layers, parity.BATCH // 4 * parity.SEQ,
+                                         cfg.top_k, cfg.dim, cfg.n_experts)
+    assert [c for c, _, _ in per_rank] == [count] * 4
+    assert sum(p for _, p, _ in per_rank) == 4 * payload
+
+
+@pytest.mark.parametrize("name", parity.EP_FAULTS)
+def test_expert_split_check_catches_experts_left_whole(faulty_runs, name):
+    """With the split left out the numbers still match (plain FSDP is right too): the check
+    of where the experts live is what fails."""
+    layout = name.partition("+")[0]
+    got, dims = faulty_runs[name], parity.LAYOUTS[layout][0]
+    assert_matches(got, parity.LAYOUTS[layout][2], 1, name)
+    with pytest.raises(AssertionError, match="is not split over ep"):
+        assert_experts_split(got["experts"], dims["ep"], dims.get("tp", 1), name)

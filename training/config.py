@@ -198,6 +198,9 @@ class ParallelismSection:
     cp: int = opt(1, "context-parallel degree: ranks that split every sequence (Ulysses attention: two "
                   "all-to-alls per layer trade the sequence split for a head split); keep it within a node",
                   min=1, aliases=("context_parallel", "context_parallel_degree", "cp_degree"))
+    ep: int = opt(1, "expert-parallel degree: routed experts split over this many ranks borrowed from dp_shard "
+                  "(each holds n_experts / ep; tokens travel by all-to-all); must divide dp_shard and n_experts",
+                  min=1, aliases=("expert_parallel", "expert_parallel_degree", "ep_degree"))
     pp_schedule: str = opt("1F1B", "pipeline schedule (torch.distributed.pipelining)", choices=PP_SCHEDULES,
                            aliases=("pipeline_parallel_schedule",))
     pp_microbatches: int = opt(0, "micro-batches the schedule cuts each local batch into; "

@@ -26,7 +26,9 @@ def announce(n_params: int, layout, grad_accum: int, mesh, start_step: int, run_
     params = f"{n_params / 1e6:,.1f}M parameters"
     if trainable is not None and trainable < n_params:  # LoRA: the adapters alone train
         params += f" ({trainable / 1e6:,.3f}M trainable: LoRA adapters)"
-    print(f"meshtrain: {mesh} | {params} | {batch}{resumed} | logs in {run_dir}",
+    experts = (f" | experts split over ep {layout.ep} of the dp_shard ranks (FSDP over the "
+               f"{layout.dp_shard // layout.ep} left)" if getattr(layout, "ep", 1) > 1 else "")
+    print(f"meshtrain: {mesh}{experts} | {params} | {batch}{resumed} | logs in {run_dir}",
           flush=True)
 
 

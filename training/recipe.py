@@ -185,7 +185,7 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
     t, p = cfg.training, cfg.parallelism
     try:
         dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp,
-                            world_size=world_size)
+                            ep=p.ep, world_size=world_size)
     except LayoutError as err:
         raise LayoutError(f"{err}. {_launch_hint(p)}") from None
     if gpus_per_node is None and this_machine and device_type(cfg) == "cuda":
@@ -207,6 +207,9 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
         strategy = check_strategy(p.sharding_strategy, dims.degrees)
     except LayoutError as err:
         raise LayoutError(f'[parallelism] sharding_strategy = "{p.sharding_strategy}": {err}') from None
+    problems = dims.ep_problems(model.ep_divisible() if hasattr(model, "expert_modules") else None, strategy)
+    if problems:
+        raise LayoutError(f"[parallelism] ep = {dims.ep}: " + "; ".join(problems))
     local = t.local_batch_size or t.global_batch_size // dims.dp
     if local < 1 or t.global_batch_size % (dims.dp * local):  # local is 0 when global < dp
         per_step = (f"dp * local_batch_size = {dims.dp_replicate}*{dims.dp_shard} * {local} = {dims.dp * local}"
@@ -369,7 +372,7 @@ def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: ParallelDims
                        cpu_offload=p.cpu_offload, sequence_parallel=p.sequence_parallel,
                        loss_parallel=p.loss_parallel, activation_checkpoint=layout.ac,
                        ac_every=cfg.activation_checkpoint.selective_every, compile=cfg.compile.enable,
-                       async_tp=cfg.compile.async_tp)
+                       async_tp=cfg.compile.async_tp, ep=layout.ep)
 
 
 def build_optimizer(cfg: JobConfig, modules: list[nn.Module]) -> tuple[Optimizers, Schedulers]:

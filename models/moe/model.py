@@ -100,6 +100,16 @@ class MoETransformer(nn.Module):
             sizes["shared experts' width"] = c.n_shared_experts * c.moe_hidden
         return sizes
 
+    def expert_modules(self) -> dict[str, nn.Module]:
+        """The routed experts of each MoE layer on this part, by module name: what expert
+        parallelism splits (each `GroupedExperts.forward(x_sorted, tokens_per_expert)`,
+        weights [n_experts, ...])."""
+        return {f"layers.{name}.feed_forward.experts": moe.experts for name, moe in self.moe_layers().items()}
+
+    def ep_divisible(self) -> dict[str, int]:
+        """What expert parallelism splits: the routed experts."""
+        return {"routed experts": self.cfg.n_experts}
+
     def active_parameters(self) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to (what
         MFU counts, training/metrics.py)."""

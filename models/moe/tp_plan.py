@@ -12,7 +12,7 @@ parallelism (the next step) will split the routed experts instead.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInputOutput,
                                                RowwiseParallel, SequenceParallel)
 
@@ -56,7 +56,10 @@ def moe_tp_plan(model, *, sequence_parallel: bool = True, loss_parallel: bool = 
 class ReplicateParameters(ParallelStyle):
     """Every parameter of the module a Replicate DTensor over the tp mesh, the module's
     inputs and outputs untouched: a weight each tp rank holds whole, in the same form as
-    the split ones (what SequenceParallel does to a norm's weight)."""
+    the split ones (what SequenceParallel does to a norm's weight). Weights that are DTensors
+    already (routed experts that expert parallelism split over ep x tp first) stay as they are."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if all(isinstance(p, DTensor) for p in module.parameters()):
+            return module
         return distribute_module(module, device_mesh)

@@ -58,6 +58,15 @@ LAYOUTS = {
     "muon_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(optimizer="Muon")),
     "muon_hsdp2x2": (dict(dp_replicate=2, dp_shard=2), "HYBRID_SHARD", dict(optimizer="Muon")),
     "muon_gpt2_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="gpt2", optimizer="Muon")),
+    # Expert parallelism: experts split over ep ranks borrowed from dp_shard, tokens sent to
+    # them and back by all-to-all; the experts' FSDP shards over dp_shard / ep (2, then 1).
+    "moe_ep2_fsdp4": (dict(dp_shard=4, ep=2), "FULL_SHARD", dict(family="moe")),
+    "moe_ep4_fsdp4": (dict(dp_shard=4, ep=4), "FULL_SHARD", dict(family="moe")),
+    # ep x tp: each tp rank routes the same tokens and exchanges them within its own ep group.
+    "moe_ep2_dp2_tp2": (dict(dp_shard=2, tp=2, ep=2), "FULL_SHARD", dict(family="moe")),
+    # Half the steps under ep 2, a DCP checkpoint, the rest resumed from it under ep 4: the
+    # experts resharded (4 per rank, then 2) and the run as if never stopped.
+    "moe_ep2_resumed_ep4": (dict(dp_shard=4, ep=2, resume_ep=4), "FULL_SHARD", dict(family="moe")),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -84,6 +93,7 @@ PP_LAYOUTS = {
     "gpt2_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="gpt2"))),
     "moe_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(family="moe"))),
     "moe_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(family="moe"))),
+    "moe_pp2_ep2": (dict(pp=2, dp_shard=2, ep=2), "1F1B", dict(micro=2, model=dict(family="moe"))),
     "gpt2_pp2_zbv": (dict(pp=2, dp_shard=1), "ZBVZeroBubble", dict(per_rank=2, micro=4,
                                                                     model=dict(family="gpt2"))),
     "muon_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(optimizer="Muon"))),
@@ -143,7 +153,7 @@ def run_pipeline(layout: str) -> dict:
                             local_batch=per_rank // accum, split_points=opts.get("split", ()))
     parts = split_into_stages(model, pp_mesh, layers, style=SCHEDULES[schedule_name][1])
     for _, part in parts:
-        parallelize(part, mesh, sharding_strategy=opts.get("strategy", "auto"))
+        parallelize(part, mesh, sharding_strategy=opts.get("strategy", "auto"), ep=dims.get("ep", 1))
         part.init_weights(seed=0)
     modules = [part for _, part in parts]
     ids = [i for i, _ in parts]
@@ -180,11 +190,13 @@ def gather_stages(modules, pp_mesh) -> dict[str, torch.Tensor]:
 def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     """``layout=None``: the single-process reference (no process group, plain tensors)."""
     dims, strategy, overrides = LAYOUTS[layout] if layout else ({}, "FULL_SHARD", model_overrides or {})
+    dims = dict(dims)
+    resume_ep = dims.pop("resume_ep", None)
     model = build(overrides)
     dp_rank, dp_size, dp_mesh, tp_mesh = 0, 1, None, None
     if layout is not None:
         mesh = ParallelDims(**dims).build_mesh()
-        model = parallelize(model, mesh, sharding_strategy=strategy,
+        model = parallelize(model, mesh, sharding_strategy=strategy, ep=dims.get("ep", 1),
                             sequence_parallel=layout not in NO_SEQUENCE_PARALLEL)
         dp_mesh, tp_mesh = submesh(mesh, "dp"), submesh(mesh, "tp")
         if dp_mesh is not None:
@@ -193,24 +205,85 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     result = {"init": full_weights(model), "losses": [], "grad_norms": []}
     optimizer, scheduler = optimizer_and_schedule([model], overrides)
     per_rank = BATCH // dp_size
-    for tokens in batches(model.cfg.vocab_size):
+    for step, tokens in enumerate(batches(model.cfg.vocab_size)):
+        if resume_ep is not None and step == STEPS // 2:
+            model, optimizer, scheduler = resumed_under(resume_ep, model, optimizer, scheduler, mesh, strategy,
+                                                        overrides, CHECKPOINTS / layout)
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        loss, norm = train_step(model, optimizer, [(local[:, :-1], local[:, 1:])], max_norm=MAX_NORM,
-                                loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
+        with counting_collectives(mesh if dims.get("ep", 1) > 1 and step == 0 else None) as comm:
+            loss, norm = train_step(model, optimizer, [(local[:, :-1], local[:, 1:])], max_norm=MAX_NORM,
+                                    loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
+        if comm is not None:  # what each rank's first step sent, by mesh dimension and kind (the dry run's counter)
+            result["collectives"] = [None] * dist.get_world_size()
+            dist.all_gather_object(result["collectives"], dict(comm.stats.rows))
         scheduler.step()
         result["losses"].append(loss)
         result["grad_norms"].append(norm)
     result["final"] = full_weights(model)
+    result["experts"] = where_experts_live(model)
     return result
+
+
+@contextlib.contextmanager
+def counting_collectives(mesh):
+    """planning/collectives.py's counter of the dry run, here on a real step; None: off."""
+    if mesh is None:
+        yield None
+        return
+    from meshtrain.planning.collectives import CountCollectives, mesh_group_names
+
+    comm = CountCollectives(mesh_group_names(mesh))
+    with comm:
+        yield comm
+
+
+def resumed_under(ep: int, model, optimizer, scheduler, mesh, strategy: str, overrides: dict, path: Path):
+    """Save model and optimizer with DCP as training/checkpoint.py does, then build the model
+    again under expert-parallel degree ``ep`` and load them into it (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    from meshtrain.training.checkpoint import _FLAT, model_state, optimizer_state
+
+    dcp.save({"model": model_state([model]), "optimizer": optimizer_state([model], optimizer)}, checkpoint_id=path)
+    schedule = scheduler.state_dict()
+    new = parallelize(build(overrides), mesh, sharding_strategy=strategy, ep=ep)
+    new.init_weights(seed=1)  # other weights: the checkpoint's must replace every one
+    new_optimizer, new_scheduler = optimizer_and_schedule([new])
+    state = {"model": model_state([new]), "optimizer": optimizer_state([new], new_optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(new, state["model"], options=StateDictOptions(strict=True))
+    inner = new_optimizer.optimizers[0]  # one part: one torch optimizer
+    full = get_optimizer_state_dict(new, inner, options=_FLAT)
+    full.update({k: v for k, v in state["optimizer"].items() if k in full})
+    set_optimizer_state_dict(new, inner, full, options=_FLAT)
+    new_scheduler.load_state_dict(schedule)
+    return new, new_optimizer, new_scheduler
+
+
+def where_experts_live(model) -> dict[str, tuple]:
+    """For each routed-experts weight: (mesh dimension names, their sizes, placements), ()
+    for a plain tensor: what says whether expert parallelism split it."""
+    out = {}
+    for name, module in getattr(model, "expert_modules", dict)().items():
+        for key, p in module.named_parameters():
+            out[f"{name}.{key}"] = ((p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape), tuple(map(str, p.placements)))
+                                    if isinstance(p, DTensor) else ())
+    return out
 
 
 # ---------------------------------------------------------------- faults a parallel trainer really has
 
 FAULTS = ("no_clip", "loss_not_divided", "grads_summed", "stage_left_out_of_norm", "lr_off_by_one")
 # A mixture of experts' own faults, each on a layout it shows in (run in the same start-up).
-MOE_FAULTS = ("moe_fsdp4+misrouted_token", "moe_fsdp4+loads_not_summed", "moe_pp2_dp2+balance_loss_unscaled")
 # Muon's: each rank orthogonalises its own shard of a matrix instead of the whole matrix.
 MUON_FAULTS = ("muon_fsdp4+shard_orthogonalised_alone", "muon_dp2_tp2+shard_orthogonalised_alone")
+MOE_FAULTS = ("moe_fsdp4+misrouted_token", "moe_fsdp4+loads_not_summed", "moe_pp2_dp2+balance_loss_unscaled",
+              "moe_ep2_fsdp4+combine_misplaced")
+# Expert parallelism quietly left out: the numbers still match (experts replicated under plain
+# FSDP are correct too); the check of where the experts live must catch it.
+EP_FAULTS = ("moe_ep2_fsdp4+experts_not_split",)
 
 
 @contextlib.contextmanager
@@ -218,11 +291,14 @@ def injected(fault: str | None, dims: dict):
     """Break one thing, for the duration of one layout's run: the parity check must then fail
     (tests/test_parity.py::test_parity_check_catches_each_fault)."""
     import meshtrain.training.muon as muon
+    import meshtrain.parallel.compose as compose
     import meshtrain.training.step as step
+    from meshtrain.parallel.expert_parallel import ExpertParallel
 
     orthogonalise_group = muon._orthogonalise_group
     clip, loss_fn, schedule = step.clip_grad_norm_, step.pipeline_loss_fn, globals()["optimizer_and_schedule"]
     moe_methods = (GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale)
+    combine, apply_ep = ExpertParallel._combine, compose.apply_ep
     if fault == "no_clip":  # the norm is still computed and reported; nothing is scaled
         step.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, 0.0, **kw)
     elif fault == "stage_left_out_of_norm":  # each pipeline stage clips by its own norm
@@ -263,6 +339,14 @@ def injected(fault: str | None, dims: dict):
             return [DTensor.from_local(newton_schulz(u.to_local()), u.device_mesh, u.placements, run_check=False,
                                       shape=u.shape, stride=u.stride()) for u in updates]
         muon._orthogonalise_group = alone
+    elif fault == "combine_misplaced":  # the combine hands two results back to each other's token
+        def misplaced(self, module, out, device_mesh):
+            out = out.clone()
+            out[[0, -1]] = out[[-1, 0]]
+            return combine(self, module, out, device_mesh)
+        ExpertParallel._combine = misplaced
+    elif fault == "experts_not_split":  # ep asked for, every rank still holds every expert
+        compose.apply_ep = lambda model, mesh, ep: []
     elif fault is not None:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     try:
@@ -272,10 +356,14 @@ def injected(fault: str | None, dims: dict):
         globals()["optimizer_and_schedule"] = schedule
         GroupedExperts.forward, MoETransformer.after_optimizer_step, MoETransformer.set_loss_scale = moe_methods
         muon._orthogonalise_group = orthogonalise_group
+        ExpertParallel._combine, compose.apply_ep = combine, apply_ep
 
+
+CHECKPOINTS = Path(".")  # where resumed layouts save (set below: the output folder)
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    CHECKPOINTS = out / "checkpoints"
     for name in sys.argv[2:]:  # LAYOUT or LAYOUT+FAULT
         layout, _, fault = name.partition("+")
         with injected(fault or None, (PP_LAYOUTS if layout in PP_LAYOUTS else LAYOUTS)[layout][0]):
