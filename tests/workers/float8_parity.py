@@ -1,6 +1,6 @@
 """Train the debug Llama with float8 Linear layers (torchao) under a parallel layout, as
 tests/workers/parity.py does without float8, and record losses, gradient norms, weights,
-and the bytes each collective kind moved in the first step (torch's CommDebugMode):
+the collectives of the first step (torch's CommDebugMode) and what FSDP all-gathers:
 
     torchrun --nproc-per-node 4 tests/workers/float8_parity.py OUT_DIR LAYOUT [LAYOUT ...]
 """
@@ -19,6 +19,8 @@ from meshtrain.parallel import ParallelDims, parallelize, submesh
 from meshtrain.parallel.float8 import apply_float8, precompute_float8_scales
 from meshtrain.training.step import train_step
 from tests.workers.parity import BATCH, MAX_NORM, batches, build, full_weights, optimizer_and_schedule
+
+STEPS = 2  # the check is the first step (same weights); the second shows the layout keeps training
 
 # name -> (ParallelDims kwargs, float8 recipe, FSDP float8 all-gather); "fp32_..." runs without float8.
 LAYOUTS = {
@@ -46,7 +48,7 @@ def run(layout: str) -> dict:
          if "Float8" in type(hook).__qualname__})}
     optimizer, scheduler = optimizer_and_schedule([model])
     per_rank = BATCH // dp_size
-    for n, tokens in enumerate(batches(model.cfg.vocab_size)):
+    for n, tokens in enumerate(batches(model.cfg.vocab_size)[:STEPS]):
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         if all_gather:  # as training/recipe.py's with_float8_scales does
             precompute_float8_scales([model])
