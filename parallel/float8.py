@@ -24,6 +24,7 @@ too: float8 matmul kernels require it.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import torch
 from torch import nn
@@ -102,6 +103,8 @@ def float8_tp_plan(model: nn.Module, plan: dict, device_type: str) -> dict:
     come after the (high-precision) gathers -- the same numbers, twice the bytes."""
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
+    if "torchao.float8" not in sys.modules:  # nothing was converted (and a TP run need not import torchao)
+        return plan
     gathers_float8 = {name for name, m in model.named_modules() if _tensorwise_float8(m)}
     if not gathers_float8 or device_type != "cuda":
         return plan
