@@ -7,17 +7,13 @@ the collectives of the first step (torch's CommDebugMode) and what FSDP all-gath
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtrain.models import registry
 from meshtrain.parallel import ParallelDims, parallelize, submesh
 from meshtrain.parallel.float8 import apply_float8, precompute_float8_scales
 from meshtrain.training.step import train_step
+from tests.workers.layouts import save_each_layout
 from tests.workers.parity import BATCH, MAX_NORM, batches, build, full_weights, optimizer_and_schedule
 
 STEPS = 2  # the check is the first step (same weights); the second shows the layout keeps training
@@ -79,8 +75,4 @@ def all_gather_dtypes(model) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
-    for name in sys.argv[2:]:
-        result = run(name)
-        if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}.pt")
+    save_each_layout(run)

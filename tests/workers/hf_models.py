@@ -8,20 +8,17 @@ for tests/test_hf_models.py to judge against plain PyTorch:
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from meshtrain.parallel import ParallelDims, mesh_coordinate, parallelize, shutdown_distributed, submesh
+from meshtrain.parallel import ParallelDims, mesh_coordinate, parallelize, submesh
 from meshtrain.parallel.init import canonical_name
 from meshtrain.training.step import train_step
+from tests.workers.layouts import save_each_layout
 
 # Gradient norms are about 1: clipping to 0.1 rescales every step by a different factor,
 # which Adam does not cancel out (it would a constant one), and lr 3e-3 lets that show
@@ -127,9 +124,4 @@ def run(layout: str) -> dict:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
-    for name in sys.argv[2:]:
-        result = run(name)
-        if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}.pt")
-    shutdown_distributed()
+    save_each_layout(run)
