@@ -24,8 +24,15 @@
    up to a Qwen3-30B-A3B layer, bf16) and a train.py step of 3 Qwen3-30B-A3B-shaped MoE
    blocks (seq 4096, bf16): tokens/s and MFU on active parameters. CPU: the smallest kernel
    shape only.
+   Beside it the same step with every block dense (`--moe.n_dense_layers=3`: an FFN as wide
+   as the 8 active experts together, the same attention): the dense baseline of the same
+   active size.
 7. operations (CUDA only): a [profiling] window writes its trace and the allocator's
    history pickle; a run made to run out of GPU memory writes rank0_oom.pickle and names it.
+8. float8 (CUDA only): bench/float8_curves.py, train.py for 200 steps in bf16 (two seeds),
+   float8 tensorwise and rowwise; the throughput rows above hold float8's tokens/s.
+9. optimizer (CUDA only): bench/muon_step.py, one rank's Muon step against fused AdamW at
+   Llama-3-8B's hidden matrices for a shard group of 8.
 
 Writes DIR/gpu_check.json, DIR/gpu_check.md and DIR/profile.txt (the top kernels of one
 compiled step). A row that would overrun ``--budget`` seconds is reported as skipped,
@@ -56,15 +63,16 @@ from meshtrain.parallel.mesh import shutdown_distributed
 from meshtrain.physics.gpus import GIB
 from meshtrain.training.metrics import device_peak_flops, flops_per_token
 
-# name -> (activation checkpointing, compile, float8)
+# name -> (activation checkpointing, compile, float8 recipe or None)
 ROWS = {
-    "eager ac=none": ("none", False, False),
-    "compile ac=none": ("none", True, False),
-    "compile ac=op": ("op", True, False),
-    "compile ac=full": ("full", True, False),
-    "eager ac=op": ("op", False, False),
-    "eager ac=full": ("full", False, False),
-    "float8 compile ac=op": ("op", True, True),
+    "eager ac=none": ("none", False, None),
+    "compile ac=none": ("none", True, None),
+    "compile ac=op": ("op", True, None),
+    "compile ac=full": ("full", True, None),
+    "eager ac=op": ("op", False, None),
+    "eager ac=full": ("full", False, None),
+    "float8 compile ac=op": ("op", True, "tensorwise"),
+    "float8 rowwise compile ac=op": ("op", True, "rowwise"),
 }
 PROFILED_ROW = "compile ac=op"
 
@@ -82,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", default="", help="comma-separated row names or 'eager' / 'compile' "
                    f"(default: all; eager rows on CPU). Rows: {'; '.join(ROWS)}")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: checks, throughput, memory, "
-                   "document_masking, moe, operations")
+                   "document_masking, moe, operations, float8, optimizer")
     p.add_argument("--budget", type=float, default=530.0, help="seconds for the whole command: rows that "
                    "would not finish in time are skipped")
     args = p.parse_args(argv)
@@ -244,18 +252,18 @@ def layers_that_fit(capacity_gib: float, fill: float, device_type: str) -> tuple
 CPU_SEQ = 128
 
 
-def bench_args(args, layers: int, ac: str, compiled: bool, float8: bool):
+def bench_args(args, layers: int, ac: str, compiled: bool, float8: str | None):
     gpu = args.device == "cuda"
     argv = ["--device", args.device, "--flavor", "8B" if gpu else "debug", "--layers", str(layers),
             "--seq-len", str(8192 if gpu else CPU_SEQ), "--batch", "1", "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--dtype", "bfloat16" if gpu else "float32", "--ac", ac]
     argv += ["--compile", "--compile-loss"] if compiled else []
-    argv += ["--float8"] if float8 else []
+    argv += ["--float8", "--float8-recipe", float8] if float8 else []
     return throughput.parse_args(argv)
 
 
 def run_rows(args, layers: int, mesh, device, deadline: float, env: dict, profile_to: Path) -> tuple[list, float, int]:
-    shape = throughput.new_model(bench_args(args, layers, "none", False, False))
+    shape = throughput.new_model(bench_args(args, layers, "none", False, None))
     n = sum(p.numel() for p in shape.parameters())
     flops = flops_per_token(n, shape.tok_embeddings.weight.numel(), shape.cfg.n_layers, shape.cfg.dim,
                             shape.cfg.max_seq_len)
@@ -388,7 +396,30 @@ def moe_rows(device: torch.device, out: Path, deadline: float) -> dict:
                       "tokens_per_second": sorted(tps)[len(tps) // 2], "mfu_active": sorted(mfu)[len(mfu) // 2],
                       "peak_gib": max(peak), "losses": logged(out, "moe"),
                       "parameters_line": next((ln for ln in proc.stdout.splitlines() if "parameters" in ln), "")}
+    # The dense twin: every block's FFN dense and 8 x 768 wide, so its active parameters
+    # equal the MoE step's; what the experts' routing and dispatch cost shows as the ratio.
+    dense = subprocess.run([*cmd[:-1], "--job.name=moe_dense", "--moe.n_dense_layers=3"], cwd=ROOT,
+                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    if dense.returncode:
+        result["dense"] = {"error": f"train.py exited {dense.returncode}: {(dense.stdout + dense.stderr)[-2000:]}"}
+        return result
+    tps, mfu = logged(out, "moe_dense", "tokens_per_second")[steady], logged(out, "moe_dense", "mfu")[steady]
+    result["dense"] = {"tokens_per_second": sorted(tps)[len(tps) // 2], "mfu": sorted(mfu)[len(mfu) // 2],
+                       "peak_gib": max(logged(out, "moe_dense", "peak_gib")[steady]),
+                       "parameters_line": next((ln for ln in dense.stdout.splitlines() if "parameters" in ln), "")}
+    result["moe_over_dense"] = result["step"]["tokens_per_second"] / result["dense"]["tokens_per_second"]
     return result
+
+
+def muon_step_lines(device_type: str) -> dict:
+    """bench/muon_step.py's table on the GPU (its CPU numbers are scaled, and slow)."""
+    if device_type != "cuda":
+        return {"skipped": "CUDA only (python -m bench.muon_step measures CPU)"}
+    proc = subprocess.run([sys.executable, "-m", "bench.muon_step", "--device", "cuda", "--ranks", "8"], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
+    return {"lines": proc.stdout.strip().splitlines()}
 
 
 # ---------------------------------------------------------------- 7. operations
@@ -507,6 +538,18 @@ def markdown(result: dict) -> str:
         lines += [f"MoE step (3 Qwen3-30B-A3B blocks, seq {step['seq_len']}, batch {step['batch']}, bf16): "
                   f"**{step['tokens_per_second']:,.0f} tokens/s**, MFU on active parameters "
                   f"**{step['mfu_active']:.1f}%**, peak {step['peak_gib']:.1f} GiB.", ""]
+    dense = moe.get("dense") or {}
+    if "tokens_per_second" in dense:
+        lines += [f"The same step with every block dense (FFN 6144 = 8 x 768, the same active size): "
+                  f"{dense['tokens_per_second']:,.0f} tokens/s, MFU {dense['mfu']:.1f}%, peak "
+                  f"{dense['peak_gib']:.1f} GiB; MoE / dense **{moe['moe_over_dense']:.2f}x**.", ""]
+    elif dense:
+        lines += [f"Dense twin failed: `{dense['error'].splitlines()[-1]}`", ""]
+    if result.get("float8_curves", {}).get("runs"):
+        from bench import float8_curves
+        lines += float8_curves.markdown(result["float8_curves"])
+    if result.get("optimizer", {}).get("lines"):
+        lines += ["## Optimizer step (bench/muon_step.py)", "", "```", *result["optimizer"]["lines"], "```", ""]
     ops = result.get("operations") or {}
     if "oom_exit" in ops:
         lines += ["## Operations", "",
@@ -593,6 +636,26 @@ def main(argv=None) -> dict:
         if "moe" not in args.skip:
             result["moe"] = moe_rows(device, work / "moe", deadline)
             print(f"gpu_check: moe {result['moe']}", flush=True)
+            save(result, args.out)
+        if "float8" not in args.skip:
+            if args.device != "cuda":
+                result["float8_curves"] = {"skipped": "CUDA only (tests/test_float8.py checks float8 on CPU)"}
+            elif deadline - time.perf_counter() < 90:
+                result["float8_curves"] = {"skipped": "the --budget is spent"}
+            else:
+                from bench import float8_curves
+                try:
+                    result["float8_curves"] = float8_curves.run(work / "float8", subprocess_env())
+                except Exception as err:
+                    result["errors"]["float8"] = f"{type(err).__name__}: {err}"
+            print(f"gpu_check: float8 curves {result.get('float8_curves', {}).get('runs', {}).keys()}", flush=True)
+            save(result, args.out)
+        if "optimizer" not in args.skip:
+            try:
+                result["optimizer"] = muon_step_lines(args.device)
+            except Exception as err:
+                result["errors"]["optimizer"] = f"{type(err).__name__}: {err}"
+            print(f"gpu_check: optimizer {result.get('optimizer')}", flush=True)
             save(result, args.out)
         if "operations" not in args.skip:
             try:

@@ -79,7 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--compile-loss", action="store_true", help="meshtrain: torch.compile the loss")
     p.add_argument("--ac", choices=AC_MODES, default="none", help="meshtrain: activation checkpointing")
     p.add_argument("--ac-every", type=int, default=2, help="--ac selective: one block in this many")
-    p.add_argument("--float8", action="store_true", help="meshtrain: float8 Linear layers (torchao)")
+    p.add_argument("--float8", action="store_true", help="float8 Linear layers (torchao), in both variants")
+    p.add_argument("--float8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
+                   help="torchao's scaling recipe for --float8")
     p.add_argument("--baseline-ac", choices=AC_MODES, default=None,
                    help="baseline: activation checkpointing (default: the same as --ac)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -98,7 +100,8 @@ def parse_args(argv=None):
 def build_meshtrain(args, mesh, device) -> tuple[nn.Module, object, Callable]:
     model = new_model(args)
     if args.float8:
-        apply_float8(model, skip=("output",))  # the head stays in high precision, as train.py does
+        # The head stays in high precision, as train.py does.
+        apply_float8(model, skip=("output",), recipe=args.float8_recipe)
     compile_loss(args.compile_loss)
     # With a mixed-precision policy parallelize applies FSDP even on one rank, like the
     # baseline's fully_shard, so both variants run the same sharding machinery.
@@ -122,8 +125,9 @@ def build_baseline(args, mesh, device) -> tuple[nn.Module, object, Callable]:
     torch.compile per block, FSDP2 per block with fp32 master weights, fused AdamW."""
     model = new_model(args)
     if args.float8:
-        from torchao.float8 import convert_to_float8_training
-        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "output")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "output",
+                                   config=Float8LinearConfig.from_recipe_name(args.float8_recipe))
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
     ac = args.baseline_ac or args.ac
     for i, (key, block) in enumerate(list(model.layers.items())):

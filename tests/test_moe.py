@@ -230,3 +230,15 @@ def test_a_pipeline_stage_counts_only_the_schedules_forwards(tmp_path):
         assert a.tokens_per_expert.tolist() == b.tokens_per_expert.tolist(), name
     for name, p in piped.named_parameters():
         torch.testing.assert_close(p.grad, plain.get_parameter(name).grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_all_dense_layers_give_a_twin_of_the_same_active_size():
+    """`[moe] n_dense_layers = n_layers` with ffn_hidden = top_k x moe_hidden (Qwen3-30B-A3B:
+    6,144 = 8 x 768): the dense twin bench/gpu_check.py times beside the MoE step has the
+    MoE's active parameters, less the routers it no longer needs."""
+    moe = MoETransformer.from_flavor("qwen3_30b_a3b", meta=True, n_layers=3)
+    dense = MoETransformer.from_flavor("qwen3_30b_a3b", meta=True, n_layers=3, n_dense_layers=3)
+    assert not dense.moe_layers() and len(moe.moe_layers()) == 3
+    routers = sum(p.numel() for layer in moe.moe_layers().values() for n, p in layer.named_parameters()
+                  if not n.startswith("experts."))
+    assert sum(p.numel() for p in dense.parameters()) == moe.active_parameters() - routers

@@ -50,6 +50,7 @@ def test_a_resumed_run_continues_the_routing_bias(tmp_path):
     ("n_experts = 1", ["moe_debug.toml: [moe] top_k = 2", "n_experts = 1"]),
     ("score_func = \"relu\"", ["bad.toml: [moe] score_func = \"relu\"", "softmax"]),
     ("balance_loss_coef = -3.0", ["bad.toml: [moe] balance_loss_coef = -3.0", ">= 0"]),
+    ("n_dense_layers = 5", ["bad.toml: [moe] n_dense_layers = 5", "from 0 to n_layers = 4"]),
 ])
 def test_bad_moe_settings_are_refused_naming_the_key(tmp_path, setting, needles):
     path = tmp_path / "bad.toml"

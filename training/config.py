@@ -104,13 +104,17 @@ class MoESection:
                                    "-1: the flavor's", min=0, lt=math.inf, also=(-1.0,))
     bias_update_rate: float = opt(-1.0, 'name = "moe": step of the loss-free balancing bias after each optimizer '
                                   "step (0: off); -1: the flavor's", min=0, lt=math.inf, also=(-1.0,))
+    n_dense_layers: int = opt(-1, 'name = "moe": the first blocks that keep a dense feed-forward of width '
+                              "ffn_hidden (DeepSeek's first_k_dense_replace; n_layers: a dense model of the same "
+                              "attention); -1: the flavor's", min=0, max=1_000_000, also=(-1,))
 
     def overrides(self) -> dict:
         """The settings given, as MoEConfig fields (those left at the flavor's omitted)."""
         given = {"n_experts": self.n_experts or None, "top_k": self.top_k or None,
                  "score_func": self.score_func or None,
                  "balance_loss_coef": None if self.balance_loss_coef == -1 else self.balance_loss_coef,
-                 "bias_update_rate": None if self.bias_update_rate == -1 else self.bias_update_rate}
+                 "bias_update_rate": None if self.bias_update_rate == -1 else self.bias_update_rate,
+                 "n_dense_layers": None if self.n_dense_layers == -1 else self.n_dense_layers}
         return {key: value for key, value in given.items() if value is not None}
 
 
