@@ -67,6 +67,9 @@ LAYOUTS = {
     # Half the steps under ep 2, a DCP checkpoint, the rest resumed from it under ep 4: the
     # experts resharded (4 per rank, then 2) and the run as if never stopped.
     "moe_ep2_resumed_ep4": (dict(dp_shard=4, ep=2, resume_ep=4), "FULL_SHARD", dict(family="moe")),
+    # Every block recomputed in backward: the recomputation sends its tokens through the
+    # all-to-alls again, and backward must run through exactly what the forward computed.
+    "moe_ep2_fsdp4_ac_full": (dict(dp_shard=4, ep=2, ac="full"), "FULL_SHARD", dict(family="moe")),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -132,7 +135,10 @@ def optimizer_and_schedule(parts, overrides: dict | None = None):
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    """Every weight whole, by its name without activation checkpointing's wrapper prefix."""
+    from meshtrain.parallel.init import canonical_name
+
+    return {canonical_name(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for name, p in model.named_parameters()}
 
 
@@ -192,12 +198,13 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     dims, strategy, overrides = LAYOUTS[layout] if layout else ({}, "FULL_SHARD", model_overrides or {})
     dims = dict(dims)
     resume_ep = dims.pop("resume_ep", None)
+    ac = dims.pop("ac", "none")
     model = build(overrides)
     dp_rank, dp_size, dp_mesh, tp_mesh = 0, 1, None, None
     if layout is not None:
         mesh = ParallelDims(**dims).build_mesh()
         model = parallelize(model, mesh, sharding_strategy=strategy, ep=dims.get("ep", 1),
-                            sequence_parallel=layout not in NO_SEQUENCE_PARALLEL)
+                            sequence_parallel=layout not in NO_SEQUENCE_PARALLEL, activation_checkpoint=ac)
         dp_mesh, tp_mesh = submesh(mesh, "dp"), submesh(mesh, "tp")
         if dp_mesh is not None:
             dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
@@ -280,7 +287,7 @@ FAULTS = ("no_clip", "loss_not_divided", "grads_summed", "stage_left_out_of_norm
 # Muon's: each rank orthogonalises its own shard of a matrix instead of the whole matrix.
 MUON_FAULTS = ("muon_fsdp4+shard_orthogonalised_alone", "muon_dp2_tp2+shard_orthogonalised_alone")
 MOE_FAULTS = ("moe_fsdp4+misrouted_token", "moe_fsdp4+loads_not_summed", "moe_pp2_dp2+balance_loss_unscaled",
-              "moe_ep2_fsdp4+combine_misplaced")
+              "moe_ep2_fsdp4+combine_misplaced", "moe_ep2_fsdp4_ac_full+recompute_misrouted")
 # Expert parallelism quietly left out: the numbers still match (experts replicated under plain
 # FSDP are correct too); the check of where the experts live must catch it.
 EP_FAULTS = ("moe_ep2_fsdp4+experts_not_split",)
@@ -329,6 +336,17 @@ def injected(fault: str | None, dims: dict):
             x_sorted[[0, -1]] = x_sorted[[-1, 0]]
             return forward(self, x_sorted, tokens_per_expert)
         GroupedExperts.forward = swapped
+    elif fault == "recompute_misrouted":  # activation checkpointing's recomputation routes differently
+        forward = GroupedExperts.forward
+
+        def swapped_when_recomputed(self, x_sorted, tokens_per_expert):
+            # The same ops both times (checkpoint checks what the recomputation saves), and
+            # only inside backward, the recomputation, two rows swapped.
+            order = torch.arange(x_sorted.shape[0], device=x_sorted.device)
+            if torch._C._current_graph_task_id() != -1:
+                order[[0, -1]] = order[[-1, 0]]
+            return forward(self, x_sorted[order], tokens_per_expert)
+        GroupedExperts.forward = swapped_when_recomputed
     elif fault == "loads_not_summed":  # each rank moves its bias by its own tokens' loads only
         update = MoETransformer.after_optimizer_step
         MoETransformer.after_optimizer_step = lambda self, sum_over=(): update(self, sum_over=())
