@@ -114,6 +114,9 @@ def build_torchtitan(args, mesh, device):
     from torchtitan.tools import utils as tt_utils
 
     world = dist.get_world_size()
+    if world > 1 and device.type == "cpu":
+        raise ValueError("torchtitan builds its device mesh on CUDA whenever no accelerator is found: on CPU "
+                         "run bench.peer_torchtitan as one process (no torchrun)")
     jc = job_config(args, world)
     spec = get_train_spec("llama3")
     parallel_dims = ParallelDims(dp_shard=world, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1,
