@@ -28,7 +28,6 @@ calls inside its own process group; `main` sets one up and prints the table.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -86,14 +85,14 @@ def model_args(args, jc):
     others get a multiplier and a rounding that land on meshtrain's width (checked in build)."""
     import dataclasses
 
-    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 
     cfg = throughput.new_model(args).cfg
     if args.flavor in llama3_args:
         targs = dataclasses.replace(llama3_args[args.flavor], n_layers=cfg.n_layers, vocab_size=cfg.vocab_size)
     else:
         base = int(2 * 4 * cfg.dim / 3)
-        targs = llama3_args["debugmodel"].__class__(
+        targs = TransformerModelArgs(
             dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
             vocab_size=cfg.vocab_size, multiple_of=cfg.ffn_hidden, ffn_dim_multiplier=cfg.ffn_hidden / base,
             norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta)
@@ -150,8 +149,6 @@ def build_torchtitan(args, mesh, device):
     schedulers = spec.build_lr_schedulers_fn(optimizers, jc.lr_scheduler, jc.training.steps)
     optimizers.register_step_post_hook(lambda *a, **k: converters.post_optimizer_hook([model]))
     loss_fn = spec.build_loss_fn(jc, parallel_dims=parallel_dims)
-    # FSDP casts parameters itself; torchtitan's autocast is for unsharded runs only.
-    amp = contextlib.nullcontext()
     batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
 
     def step(inputs, labels):  # Trainer.train_step and forward_backward_step, one microbatch
@@ -159,9 +156,9 @@ def build_torchtitan(args, mesh, device):
         tokens = (labels != IGNORE_INDEX).sum().to(device)
         total = dist_utils.dist_sum(tokens, batch_mesh) if batch_mesh is not None else tokens.float()
         inputs, labels = inputs.to(device), labels.to(device)
-        with amp:
-            pred = model(inputs)
-            loss = loss_fn(pred, labels) / total
+        # No autocast: torchtitan uses it only without FSDP, and FSDP casts the parameters here.
+        pred = model(inputs)
+        loss = loss_fn(pred, labels) / total
         del pred
         loss.backward()
         dist_utils.clip_grad_norm_(list(model.parameters()), jc.training.max_norm, foreach=True)
