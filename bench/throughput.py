@@ -288,7 +288,7 @@ def describe(args) -> str:
     return "meshtrain " + "+".join(ours)
 
 
-def table(rows: list[dict], device: torch.device) -> str:
+def table(rows: list[dict], device: torch.device, ratio_label: str = "ours / baseline") -> str:
     cpu = device.type == "cpu"
     head = ["", "tokens/s", "TFLOP/s", "MFU", "peak mem GiB"] + (["activations MiB"] if cpu else []) + \
         ["step s", "warm-up s", "loss"]
@@ -308,7 +308,7 @@ def table(rows: list[dict], device: torch.device) -> str:
         if cpu:
             ratio.append("" if ours["activation_mib"] is None else
                          f"{ours['activation_mib'] / base['activation_mib']:.2f}x")
-        lines.append(["ours / baseline", *ratio] + [""] * (len(head) - 1 - len(ratio)))
+        lines.append([ratio_label, *ratio] + [""] * (len(head) - 1 - len(ratio)))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
                      for line in lines)
