@@ -34,6 +34,9 @@
    float8 tensorwise and rowwise; the throughput rows above hold float8's tokens/s.
 9. optimizer (CUDA only): bench/muon_step.py, one rank's Muon step against fused AdamW at
    Llama-3-8B's hidden matrices for a shard group of 8.
+10. peer (CUDA, when a released torchtitan imports): bench/peer_torchtitan.py, torchtitan's
+   model and parallelize_llama against meshtrain on the throughput rows' shape (compiled,
+   op-level checkpointing), bf16 and float8 tensorwise, tokens/s side by side.
 
 Writes DIR/gpu_check.json, DIR/gpu_check.md and DIR/profile.txt (the top kernels of one
 compiled step). A row that would overrun ``--budget`` seconds is reported as skipped,
@@ -91,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", default="", help="comma-separated row names or 'eager' / 'compile' "
                    f"(default: all; eager rows on CPU). Rows: {'; '.join(ROWS)}")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: checks, throughput, memory, "
-                   "document_masking, moe, operations, float8, optimizer")
+                   "document_masking, moe, operations, float8, optimizer, peer")
     p.add_argument("--budget", type=float, default=530.0, help="seconds for the whole command: rows that "
                    "would not finish in time are skipped")
     args = p.parse_args(argv)
@@ -415,6 +418,31 @@ def moe_rows(device: torch.device, out: Path, deadline: float) -> dict:
     return result
 
 
+def peer_rows(args, layers: int, device, deadline: float, env: dict) -> dict:
+    """meshtrain beside torchtitan (bench/peer_torchtitan.py) in bf16 and float8, or why not."""
+    if args.device != "cuda":
+        return {"skipped": "CUDA only (torchtitan builds its mesh on CUDA)"}
+    try:
+        from bench import peer_torchtitan
+        version = peer_torchtitan.torchtitan_version()
+    except Exception as err:  # not installed: it is no dependency of meshtrain
+        return {"skipped": f"torchtitan does not import: {type(err).__name__}: {err}"}
+    mesh = init_device_mesh(args.device, (1,), mesh_dim_names=("dp_shard",))
+    result = {"torchtitan": version, "rows": []}
+    for name, float8 in (("bf16", None), ("float8 tensorwise", "tensorwise")):
+        if deadline - time.perf_counter() < 120:
+            result["rows"].append({"name": name, "skipped": "the --budget is spent"})
+            continue
+        bargs = bench_args(args, layers, "op", True, float8)
+        shape = throughput.new_model(bargs)
+        flops = flops_per_token(sum(p.numel() for p in shape.parameters()), shape.tok_embeddings.weight.numel(),
+                                shape.cfg.n_layers, shape.cfg.dim, shape.cfg.max_seq_len)
+        row = peer_torchtitan.compare(bargs, mesh, device, flops, env["spec_tflops"] * 1e12)
+        result["rows"].append({"name": name, **row})
+        print(f"gpu_check: peer {name}: meshtrain / torchtitan {_num(row['ratio'], '.3f')}", flush=True)
+    return result
+
+
 def muon_step_lines(device_type: str) -> dict:
     """bench/muon_step.py's table on the GPU (its CPU numbers are scaled, and slow)."""
     if device_type != "cuda":
@@ -553,6 +581,20 @@ def markdown(result: dict) -> str:
     if result.get("float8_curves", {}).get("runs"):
         from bench import float8_curves
         lines += float8_curves.markdown(result["float8_curves"])
+    peer = result.get("peer") or {}
+    if peer.get("rows"):
+        lines += [f"## Side by side with torchtitan {peer['torchtitan']} (compiled, ac op)", "",
+                  "| row | torchtitan tokens/s | meshtrain tokens/s | meshtrain / torchtitan |", "|---|---:|---:|---:|"]
+        for r in peer["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['name']} | {r['skipped']} | | |")
+                continue
+            tps = lambda v: v.get("tokens_per_second")
+            lines.append(f"| {r['name']} | {_num(tps(r['torchtitan']), ',.0f')} | {_num(tps(r['meshtrain']), ',.0f')} "
+                         f"| {_num(r['ratio'], '.3f')} |")
+        lines.append("")
+    elif peer.get("skipped"):
+        lines += [f"Side by side with torchtitan: skipped ({peer['skipped']}).", ""]
     if result.get("optimizer", {}).get("lines"):
         lines += ["## Optimizer step (bench/muon_step.py)", "", "```", *result["optimizer"]["lines"], "```", ""]
     ops = result.get("operations") or {}
@@ -661,6 +703,12 @@ def main(argv=None) -> dict:
             except Exception as err:
                 result["errors"]["optimizer"] = f"{type(err).__name__}: {err}"
             print(f"gpu_check: optimizer {result.get('optimizer')}", flush=True)
+            save(result, args.out)
+        if "peer" not in args.skip:
+            try:
+                result["peer"] = peer_rows(args, layers, device, deadline, env)
+            except Exception as err:
+                result["errors"]["peer"] = f"{type(err).__name__}: {err}"
             save(result, args.out)
         if "operations" not in args.skip:
             try:
