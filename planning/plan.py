@@ -140,14 +140,14 @@ def main(argv: list[str] | None = None) -> int:
 
     fitting, smallest, rejected = plan(job)
     n = job.model.n_params
-    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    size = (f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M") + " params"
     if job.model.moe_layers:
         a = job.model.active_params
-        size += (f", {a / 1e9:.1f}B active: {job.model.n_experts} experts, top {job.model.top_k}; routing imbalance "
-                 f"{job.moe_imbalance} assumed")
+        size += (f", {a / 1e9:.1f}B active: {job.model.n_experts} experts, top {job.model.top_k}; the busiest ep "
+                 f"rank assumed to receive {job.moe_imbalance} x the mean")
     resized = (" with " + ", ".join(f"{k} {v}" for k, v in (*job.model.dims, ("n_layers", job.model.n_layers)))
                if dims else "")
-    print(f"{job.model.family} {job.model.flavor}{resized} ({size} params) on {job.nodes} x "
+    print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
           f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: matmuls at {gpu.matmul_efficiency:.0%} "
           f"of it, flash attention at {gpu.attention_efficiency:.0%}, memory-bound work at "
