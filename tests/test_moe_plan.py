@@ -83,3 +83,41 @@ def test_moe_all_to_all_and_expert_fsdp_bytes_equal_the_traced_step(name):
     assert e.comm_bytes["ep"] == pytest.approx(sent("ep", "all-to-all"), rel=1e-9)
     assert e.comm_bytes["dp_shard_mod_ep"] == pytest.approx(
         sent("dp_shard_mod_ep", "all-gather", "reduce-scatter"), rel=1e-9)
+
+
+def test_the_search_offers_each_ep_that_divides_dp_shard_and_the_experts_and_only_where_ep_runs():
+    from meshtrain.planning.search import candidates, check_layout
+
+    job = Job(resolve_model("moe:deepseek_v3_671b"), H100, 32, 8, 4096, 1024)
+    seen = {}
+    for lay in candidates(job):
+        if lay.pp == 1 and lay.micro_batch == 1 and lay.ac == "full":
+            seen.setdefault((lay.tp, lay.dp_replicate, lay.strategy), set()).add(lay.ep)
+            check_layout(job, lay)  # train.py's own rules (ParallelDims.ep_problems) accept each
+    # tp 1: dp_shard 256, every power of two up to the 256 experts; tp 8: dp_shard 32.
+    assert seen[(1, 1, "FULL_SHARD")] == {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    assert seen[(8, 1, "SHARD_GRAD_OP")] == {1, 2, 4, 8, 16, 32}
+    assert seen[(1, 2, "HYBRID_SHARD")] == {1}  # ep with replicas is refused by train.py
+    dense = Job(resolve_model("8B"), H100, 1, 8, 4096, 16)
+    assert {lay.ep for lay in candidates(dense)} == {1}
+
+
+def test_routing_imbalance_weighs_on_the_busiest_ranks_memory_and_time_not_on_the_bytes():
+    seq, lay = POINTS["ep2_fsdp8"]
+    even, skewed = (estimate(_job(seq, imb), ParallelDims(world_size=8, **lay)) for imb in (1.0, 1.5))
+    assert skewed.memory.total > even.memory.total and skewed.step_time > even.step_time
+    assert skewed.times["ep"] == pytest.approx(even.times["ep"] * 1.5, rel=0.05)  # the bytes dominate the latency
+    assert skewed.comm_bytes == even.comm_bytes  # the mean over the ranks, whatever the routing
+
+
+@pytest.mark.slow  # DeepSeek-V3's shape dry-run at 256 ranks: about 80 s on two cores
+def test_deepseek_v3_671b_at_256_ranks_estimate_matches_its_dry_run():
+    """The 671B shape at 256 H100s, FSDP 256 x ep 16, full AC, 4 sequences of 4096 tokens per
+    rank: the estimate (at the default routing imbalance) within 10% of the traced peak, and
+    its all-to-all bytes those of the traced step."""
+    job = Job(resolve_model("moe:deepseek_v3_671b"), H100, 32, 8, 4096, 1024)
+    e = estimate(job, ParallelDims(world_size=256, dp_shard=256, ep=16, ac="full", micro_batch=4))
+    report = trace(e, job)
+    traced = report["memory"]["total"]
+    assert traced == pytest.approx(e.memory.total, rel=0.10), (traced / GIB, e.memory.total / GIB)
+    assert e.comm_bytes["ep"] == pytest.approx(report["comm"][("ep", "all-to-all")][2], rel=1e-9)
