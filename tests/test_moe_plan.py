@@ -121,3 +121,13 @@ def test_deepseek_v3_671b_at_256_ranks_estimate_matches_its_dry_run():
     traced = report["memory"]["total"]
     assert traced == pytest.approx(e.memory.total, rel=0.10), (traced / GIB, e.memory.total / GIB)
     assert e.comm_bytes["ep"] == pytest.approx(report["comm"][("ep", "all-to-all")][2], rel=1e-9)
+
+
+@pytest.mark.parametrize("value", ["0.5", "nan", "inf"])
+def test_plan_refuses_an_imbalance_below_one_with_the_flag_named(value, capsys):
+    from meshtrain.planning.plan import run as plan_run
+
+    args = ["--model", "moe:debug", "--nodes", "1", "--seq-len", "128", "--global-batch", "8"]
+    assert plan_run([*args, "--moe-imbalance", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"meshtrain: error: --moe-imbalance {float(value)}") and "\n" not in err
