@@ -52,6 +52,7 @@ class ProbeKey:
     loss_parallel: bool = True
     lora: tuple = ()  # [lora]: (rank, alpha, target_modules); a frozen layer saves less for backward
     dims: tuple = ()  # [model]'s dimensions over the flavor's (ModelShape.dims)
+    experts: bool = False  # a mixture of experts: probe its MoE blocks (else its dense ones)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = ()) -> "Act
     if (c.dim, c.n_heads, c.ffn_hidden) != (model.dim, model.n_heads, model.ffn_hidden):
         return None  # a config that changes the flavor's shape: the probe would trace another block
     return activation_profile(ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac,
-                                       lora=lora, dims=model.dims))
+                                       lora=lora, dims=model.dims, experts=model.moe_layers > 0))
 
 
 def period_of(key: ProbeKey) -> int:
@@ -114,6 +115,10 @@ def _probe_model(key: ProbeKey):
 
     family = registry.get(key.family)
     overrides = {**dict(key.dims), "vocab_size": key.vocab_size, "n_layers": 2 * period_of(key)}
+    if hasattr(family.flavors[key.flavor], "n_dense_layers"):
+        # A mixture of experts: the probe's blocks are all MoE blocks (its few dense first
+        # blocks are counted as MoE ones: DeepSeek-V3's 3 of 61), or all dense (its dense twin).
+        overrides["n_dense_layers"] = 0 if key.experts else overrides["n_layers"]
     if not family.learned_positions:  # as training.recipe.build_model sizes rotary tables
         overrides["max_seq_len"] = key.seq_len
     model = family.model_class().from_flavor(key.flavor, meta=True, **overrides)

@@ -40,6 +40,7 @@ class Estimate:
     fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
     compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
     warnings: list[str] = field(default_factory=list)  # what the layout does that a user should know
+    moe_imbalance: float = 1.0     # the routing imbalance assumed (Job.moe_imbalance), for the report
 
 
 def network_warnings(job: Job, lay: ParallelDims) -> list[str]:
@@ -60,11 +61,13 @@ def estimate(job: Job, lay: ParallelDims) -> Estimate:
     t = step_time(job, lay)
     m, tokens = job.model, job.global_batch * job.seq_len
     tps = tokens / t.seconds / job.world
-    model_flops = flops_per_token(m.n_params, m.embedding, m.n_layers, m.dim, job.seq_len)
+    # A mixture of experts counts the parameters a token uses (as training/metrics.py does).
+    model_flops = flops_per_token(m.active_params, m.embedding, m.n_layers, m.dim, job.seq_len)
     return Estimate(
         layout=lay, memory=memory_per_gpu(job, lay), step_time=t.seconds, tokens_per_s_per_gpu=tps,
         mfu=tps * model_flops / job.gpu.peak_bf16_flops, comm_bytes=t.comm_bytes, times=t.times,
-        fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split, warnings=network_warnings(job, lay))
+        fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split, warnings=network_warnings(job, lay),
+        moe_imbalance=job.moe_imbalance)
 
 
 # ---------------------------------------------------------------- a train.py config
@@ -91,6 +94,8 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
         from meshtrain.training.recipe import shape_overrides  # [model] dim, n_heads, ...
 
         dims = {k: v for k, v in shape_overrides(cfg).items() if k != "n_layers"}
+        if cfg.model.name == "moe":  # [moe]'s settings over the flavor's (top_k, n_dense_layers, ...)
+            dims.update({k: v for k, v in cfg.moe.overrides().items() if k in ("n_experts", "top_k", "n_dense_layers")})
         shape = ModelShape.from_flavor(cfg.model.flavor, model_cfg.vocab_size, cfg.model.name, **dims)
     else:  # a model from its own config file (name = "hf"): counted on the model itself
         shape = ModelShape.from_model(model, flavor=cfg.model.name, n_layers=model_cfg.n_layers,

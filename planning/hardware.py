@@ -35,8 +35,11 @@ parallel/mesh.py), on nodes of ``gpus_per_node``:
   hops), its bandwidth 0.9x the ring's bus bandwidth for twice the payload (NCCL's tree
   algorithm bandwidth is half its bus bandwidth, x 0.9). NCCL picks by size and scale;
   `seconds` takes the faster, as NCCL's tuner does.
-- Point to point (pipeline sends) and all-to-all (context parallelism): the bytes leaving
-  the node share the node's NICs the same way, one base + one hop latency.
+- Point to point (pipeline sends): the bytes leaving the node share the node's NICs the
+  same way, one base + one hop latency. All-to-all (context and expert parallelism): each
+  rank sends 1/n of its input to every peer, over NVLink inside its node and, at the same
+  time, through the NICs to the peers in other nodes; every remote byte crosses a NIC, and
+  all GPUs of a node exchange at once, so each gets 1 / gpus_per_node of the node's NICs.
 
 Bandwidths are derated by `link_efficiency` (0.8: NCCL's bus bandwidth on large messages
 is typically 75-90% of the line rate; physics/gpus.py). Not modelled: NVLink SHARP / NVLS and
@@ -145,9 +148,23 @@ class Topology:
         hop = self.network_latency if self.nodes_spanned(size, stride) > 1 else self.nvlink_latency
         if kind == "send/recv":
             return BASE_LATENCY + hop + payload / self.bus_bandwidth(size, stride)
-        if kind == "all-to-all":  # each rank keeps 1/n of its input and sends the rest
-            return BASE_LATENCY + hop + payload * (size - 1) / size / self.bus_bandwidth(size, stride)
+        if kind == "all-to-all":
+            return BASE_LATENCY + hop + self.all_to_all_transfer(payload, size, stride)
         raise ValueError(f"unknown collective {kind!r}")
+
+    def all_to_all_transfer(self, payload: float, size: int, stride: int) -> float:
+        """Seconds one rank's all-to-all of ``payload`` input bytes moves data: it keeps 1/n,
+        sends 1/n to each peer, over NVLink to the peers of its node and through the NICs
+        to the others, both at once. Unlike a ring, an all-to-all takes every remote byte of
+        every GPU over the network: all the node's GPUs exchange at once (every one is in a
+        group of the dimension), so each gets 1 / gpus_per_node of the node's NICs."""
+        local = self.members_per_node(size, stride)
+        nvlink = self.nvlink_bandwidth * self.link_efficiency
+        inside = payload * (local - 1) / size / nvlink
+        if local == size:
+            return inside
+        nic = self.nics_per_node * self.nic_bandwidth * self.link_efficiency / self.gpus_per_node
+        return max(inside, payload * (size - local) / size / min(nvlink, nic))
 
     def algorithm(self, kind: str, payload: float, size: int, stride: int = 1) -> str:
         """The algorithm `seconds` charged: "nvlink ring", "ring", "tree", ... (for reports)."""

@@ -109,3 +109,18 @@ def head_seconds(m, *, tokens: float, tp: int, gpu) -> Seconds:
     out = (m.head_split if m.head_split else m.embedding) / tp
     return Seconds(matmul=6 * out * tokens / (gpu.peak_bf16_flops * gpu.matmul_efficiency),
                    memory=LOSS_BYTES * m.vocab / tp * tokens / gpu.hbm_bandwidth)
+
+
+def expert_seconds(m, *, copies: float, gpu, recompute: str, compiled: bool = False) -> Seconds:
+    """The routed experts of one MoE layer over ``copies`` token copies on this GPU (its
+    tokens x top_k on average under expert parallelism; x the routing imbalance on the
+    busiest rank): 6 FLOPs per expert weight per copy (each copy passes one expert, of
+    expert_params / n_experts weights), at the matmul speed -- TP does not split them (every tp
+    rank routes the same tokens). Element-wise per copy: SwiGLU on moe_hidden (10 bytes per
+    element eager, 6 compiled, as `_bytes_per_token`) and the copy's gather, its weighting
+    and its return to token order (12 bytes per dim)."""
+    mm = 6 * m.expert_params / m.n_experts * copies
+    mem = ((6 if compiled else 10) * m.moe_hidden + 12 * m.dim) * copies
+    k_mm, _, k_mem = {"none": (3, 0, 3), "full": (4, 0, 4), "op": (3, 0, 4)}[recompute]
+    return Seconds(matmul=mm * k_mm / 3 / (gpu.peak_bf16_flops * gpu.matmul_efficiency),
+                   memory=mem * k_mem / gpu.hbm_bandwidth)

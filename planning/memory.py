@@ -18,7 +18,7 @@ from meshtrain.parallel.layout import ParallelDims
 from meshtrain.planning.activations import profile_for
 from meshtrain.planning.schedule import rank_actions
 from meshtrain.planning.shape import Job, ModelShape, keeps_gathered, rank_batch, shard_degree
-from meshtrain.planning.shares import RankShare, checkpointed_blocks, rank_shares
+from meshtrain.planning.shares import RankShare, checkpointed_blocks, checkpointed_moe_blocks, rank_shares
 
 BF16, FP32 = 2, 4
 
@@ -65,24 +65,63 @@ def block_input_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
     return BF16 * s * b * m.dim / t
 
 
-def rank_local_params(m: ModelShape, share: RankShare, tp: int) -> float:
-    """Parameters one GPU of this pipeline rank holds after TP, before FSDP shards them."""
-    n = share.layers * (m.layer_split / tp + m.layer_replicated)
+def rank_params(m: ModelShape, share: RankShare, tp: int, ep: int = 1) -> tuple[float, float]:
+    """(other, expert) parameters one GPU of this pipeline rank holds after TP and EP, before
+    FSDP shards them. Routed experts are replicated over TP (every tp rank routes the same
+    tokens) and split over ep: n_experts / ep whole experts per MoE layer."""
+    dense, moe = share.layers - share.moe_layers, share.moe_layers
+    n = dense * (m.layer_split / tp + m.layer_replicated) + moe * (m.moe_split / tp + m.moe_replicated)
     if share.first:
         n += m.embedding / tp
     if share.last:  # tied: the last stage holds its own copy, unless it is also the first
         n += (0 if m.tied and share.first else m.head_split / tp) + m.head_replicated
-    return n
+    return n, moe * m.expert_params / ep
 
 
-def largest_unit(m: ModelShape, share: RankShare, tp: int) -> float:
+def rank_local_params(m: ModelShape, share: RankShare, tp: int, ep: int = 1) -> float:
+    """Parameters one GPU of this pipeline rank holds after TP (and EP), before FSDP shards them."""
+    return sum(rank_params(m, share, tp, ep))
+
+
+def expert_shard_degree(lay: ParallelDims) -> int:
+    """Ranks FSDP shards the routed experts over: dp_shard / ep under expert parallelism
+    (parallel/expert_parallel.py; ep refuses cp and HSDP), the usual degree without."""
+    return shard_degree(lay) // lay.ep
+
+
+def rank_sharded_params(m: ModelShape, share: RankShare, lay: ParallelDims) -> float:
+    """Parameters one GPU's FSDP shards hold: the others over dp_shard (x cp), this rank's
+    n_experts / ep experts over dp_shard / ep."""
+    other, experts = rank_params(m, share, lay.tp, lay.ep)
+    return other / shard_degree(lay) + experts / expert_shard_degree(lay)
+
+
+def block_unit(m: ModelShape, share: RankShare, tp: int, ep: int = 1) -> float:
+    """The largest block unit FSDP gathers on this rank: a dense block, or an MoE block
+    with its n_experts / ep experts (a unit of their own under ep, gathered with it)."""
+    units = [m.layer_split / tp + m.layer_replicated] if share.layers > share.moe_layers else []
+    if share.moe_layers:
+        units.append(m.moe_split / tp + m.moe_replicated + m.expert_params / ep)
+    return max(units or [0.0])
+
+
+def largest_unit(m: ModelShape, share: RankShare, tp: int, ep: int = 1) -> float:
     """The biggest FSDP unit on this rank (a block, the embedding, or norm + output)."""
-    units = [m.layer_split / tp + m.layer_replicated]
+    units = [block_unit(m, share, tp, ep)]
     if share.first:
         units.append(m.embedding / tp)
     if share.last:
         units.append(m.head_split / tp + m.head_replicated)
     return max(units)
+
+
+def expert_activation_bytes(m: ModelShape, seq: int) -> float:
+    """What one MoE layer keeps for backward per sequence of ``seq`` tokens (this rank's, the
+    whole sequence under TP) that grows with the token copies its experts receive: each
+    copy's input (dim; saved by the w1 and w3 matmuls) and its SwiGLU tensors (w1 and w3
+    outputs, SiLU output, product: 4 x moe_hidden), bf16. Routing imbalance adds
+    (imbalance - 1) x this on the busiest ep rank (Job.moe_imbalance)."""
+    return BF16 * seq * m.top_k * (m.dim + 4 * m.moe_hidden)
 
 
 # ---------------------------------------------------------------- the peak
@@ -112,7 +151,7 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float
       gradient sync until the step's last backward, so the whole stage stays gathered (bf16)
       and its gradients accumulate unsharded in the fp32 reduce dtype until the one
       reduce-scatter per step: 2 + 4 bytes per local param, plus one unit's bf16 gradient."""
-    local, unit = rank_local_params(m, share, lay.tp), largest_unit(m, share, lay.tp)
+    local, unit = rank_local_params(m, share, lay.tp, lay.ep), largest_unit(m, share, lay.tp, lay.ep)
     if lay.pp > 1:
         return (BF16 + FP32) * local + BF16 * unit
     if keeps_gathered(lay):  # ZeRO-2 (and NO_SHARD): kept gathered from forward to backward
@@ -130,7 +169,7 @@ def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
         if prof is not None:
             mem = traced_memory(job, lay, r, share, prof)
         else:
-            mem = Memory(pp_rank=r, **fsdp2_model_states(rank_local_params(job.model, share, lay.tp), shard_degree(lay)))
+            mem = Memory(pp_rank=r, **fsdp2_model_states(rank_sharded_params(job.model, share, lay), 1))
             mem.grads, mem.optimizer = mem.grads * job.trainable, mem.optimizer * job.trainable  # LoRA: frozen base
             mem.activations, mem.transient = formula_activations(job, lay, share), transient_bytes(job.model, share, lay)
         if worst is None or mem.total > worst.total:
@@ -138,10 +177,9 @@ def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
     return worst
 
 
-def _units(m: ModelShape, tp: int) -> tuple[float, float, float]:
-    """Local parameters of one block, the embedding and the head (final norm + output)."""
-    return (m.layer_split / tp + m.layer_replicated, m.embedding / tp,
-            (m.head_split if not m.tied else m.embedding) / tp + m.head_replicated)
+def _units(m: ModelShape, tp: int) -> tuple[float, float]:
+    """Local parameters of the embedding and the head (final norm + output)."""
+    return m.embedding / tp, (m.head_split if not m.tied else m.embedding) / tp + m.head_replicated
 
 
 def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof) -> Memory:
@@ -162,38 +200,48 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
     until the step's last backward, a stage stays gathered (bf16) and its unsharded
     gradients accumulate in fp32 from its first backward on."""
     m, b, t = job.model, lay.micro_batch, lay.tp
-    block, embed, head = _units(m, t)
-    local = rank_local_params(m, share, t)
-    shard = shard_degree(lay)  # 1 under NO_SHARD: every rank holds whole model states
+    embed, head = _units(m, t)
+    block = block_unit(m, share, t, lay.ep)  # an MoE block gathers its n_experts / ep experts
+    local = rank_local_params(m, share, t, lay.ep)
+    # Sharded over dp_shard (1 under NO_SHARD: every rank holds whole model states); under
+    # ep the experts' shards are over dp_shard / ep, each of n_experts / ep experts.
+    sharded = rank_sharded_params(m, share, lay)
     # With [lora] (job.trainable < 1) only the adapters have gradients and AdamW moments;
     # with Muon its share of them (job.muon) keeps one moment, not two (spread evenly over
     # the stages: the first and last hold more AdamW-only embedding and head).
     grad = job.trainable
-    mem = Memory(pp_rank=rank, params=FP32 * local / shard, optimizer=(2 - job.muon) * FP32 * local / shard * grad)
+    mem = Memory(pp_rank=rank, params=FP32 * sharded, optimizer=(2 - job.muon) * FP32 * sharded * grad)
     zero2 = keeps_gathered(lay)
     accumulating = rank_batch(job, lay) > lay.local_batch
-    held_grads = FP32 * local / shard * grad if accumulating else 0.0
+    held_grads = FP32 * sharded * grad if accumulating else 0.0
     gathered = lambda *units: BF16 * (local if zero2 else sum(units))
+    # Routing imbalance: the busiest ep rank's experts keep more token copies (Job.moe_imbalance).
+    skew = (job.moe_imbalance - 1) * expert_activation_bytes(m, job.seq_len // lay.cp) if lay.ep > 1 else 0.0
     if lay.pp == 1:
-        kept = b * (prof.embed + prof.kept(share.layers))
+        kept_moe = share.moe_layers - checkpointed_moe_blocks(share, lay.ac)
+        kept = b * (prof.embed + prof.kept(share.layers) + kept_moe * skew)
+        working = b * (prof.block_working + (skew if share.moe_layers else 0.0))
         moments = [  # (gradients, transient, activations)
             (held_grads, gathered(head), kept + b * (prof.head + prof.head_working)),
-            (held_grads, gathered(block, block) + (BF16 + FP32) * block * grad, kept + b * prof.block_working),
+            (held_grads, gathered(block, block) + (BF16 + FP32) * block * grad, kept + working),
             (held_grads, gathered(head), kept + b * (prof.head + prof.forward_extra)),
-            (FP32 * local / shard * grad, gathered(embed) + (BF16 + FP32) * embed * grad,
+            (FP32 * sharded * grad, gathered(embed) + (BF16 + FP32) * embed * grad,
              b * (prof.embed + prof.kept(1))),
         ]
         mem.grads, mem.transient, mem.activations = max(moments, key=sum)
         return mem
     weight, working, after, running = {}, {}, {}, {}
-    for s, n in zip(share.stage_ids, share.stage_layers):
+    dense_block, moe_block = m.layer_split / t + m.layer_replicated, m.moe_split / t + m.moe_replicated + m.expert_params / lay.ep
+    for s, n, n_moe in zip(share.stage_ids, share.stage_layers, share.stage_moe):
         first, last = s == 0, s == share.n_stages - 1
-        weight[s] = b * ((prof.embed if first else prof.stage_input) + prof.kept(n)
+        one = RankShare((n,), first, last, 0, 0, stage_moe=(n_moe,))
+        kept_moe = n_moe - checkpointed_moe_blocks(one, lay.ac)
+        weight[s] = b * ((prof.embed if first else prof.stage_input) + prof.kept(n) + kept_moe * skew
                          + (prof.head if last else 0))
-        working[s] = b * max(prof.block_working, prof.head_working if last else 0)
-        params = n * block + first * embed + last * (0 if (m.tied and first) else head)
+        working[s] = b * max(prof.block_working + (skew if n_moe else 0), prof.head_working if last else 0)
+        params = (n - n_moe) * dense_block + n_moe * moe_block + first * embed + last * (0 if (m.tied and first) else head)
         after[s] = FP32 * params * grad + (0 if zero2 else BF16 * params)
-        running[s] = 0 if zero2 else BF16 * (head if last else block)
+        running[s] = 0 if zero2 else BF16 * (head if last else (moe_block if n_moe else dense_block))
     actions = rank_actions(lay.pp_schedule, lay.pp, lay.stages_per_rank, lay.pp_microbatches)[rank]
     live, done, best = {s: 0 for s in weight}, set(), (-1.0, 0.0, 0.0)
     for a in actions:

@@ -88,6 +88,9 @@ def parse_args(argv):
                    help="fraction of the bf16 peak compute reaches (default: the GPU's measured "
                         "large-matmul fraction, an upper bound for a whole step)")
     hardware.add_arguments(p)
+    p.add_argument("--moe-imbalance", type=float, default=Job.moe_imbalance, metavar="X",
+                   help="a mixture of experts under ep: the busiest ep rank receives X times the mean token "
+                        f"copies (default {Job.moe_imbalance}: docs/planning.md, Mixture of experts)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--write", metavar="PATH.toml", help="write the best layout as a train.py config")
     p.add_argument("--verify", type=int, default=0, metavar="K",
@@ -126,18 +129,25 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in dims.items():
         if value < 1:
             raise PlanError(f"--{key.replace('_', '-')} must be at least 1")
+    if not 1 <= args.moe_imbalance < float("inf"):
+        raise PlanError(f"--moe-imbalance {args.moe_imbalance}: the busiest rank receives at least the mean; "
+                        "use a number >= 1")
     job = Job(resolve_model(args.model, **dims), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
-              topology=net)
+              topology=net, moe_imbalance=args.moe_imbalance)
     if job.model.max_positions and args.seq_len > job.model.max_positions:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
                         f"learned positions, which train.py refuses; use --seq-len <= {job.model.max_positions}")
 
     fitting, smallest, rejected = plan(job)
     n = job.model.n_params
-    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    size = (f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M") + " params"
+    if job.model.moe_layers:
+        a = job.model.active_params
+        size += (f", {a / 1e9:.1f}B active: {job.model.n_experts} experts, top {job.model.top_k}; the busiest ep "
+                 f"rank assumed to receive {job.moe_imbalance} x the mean")
     resized = (" with " + ", ".join(f"{k} {v}" for k, v in (*job.model.dims, ("n_layers", job.model.n_layers)))
                if dims else "")
-    print(f"{job.model.family} {job.model.flavor}{resized} ({size} params) on {job.nodes} x "
+    print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
           f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: matmuls at {gpu.matmul_efficiency:.0%} "
           f"of it, flash attention at {gpu.attention_efficiency:.0%}, memory-bound work at "

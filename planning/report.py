@@ -12,19 +12,21 @@ from meshtrain.planning.shape import Job, forwards_per_step
 def describe(lay: ParallelDims) -> str:
     pipe = f"pp {lay.pp} {lay.pp_schedule} x {lay.pp_microbatches} micro-batches, " if lay.pp > 1 else ""
     cp = f"cp {lay.cp}, " if lay.cp > 1 else ""
-    return (f"tp {lay.tp}, {cp}{pipe}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}, "
+    ep = f" (ep {lay.ep})" if lay.ep > 1 else ""
+    return (f"tp {lay.tp}, {cp}{pipe}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}{ep}, "
             f"{lay.strategy}, AC {lay.ac}, micro-batch {lay.micro_batch}")
 
 
 def format_table(estimates: list) -> str:
     cp = any(e.layout.cp > 1 for e in estimates)  # a cp column only where cp was tried
-    head = ("#", "tp", *(("cp",) if cp else ()), "pp", "dp_rep", "dp_shard", "strategy", "AC", "mbs", "schedule",
-            "pp_mb", "GiB/GPU", "step s", "tok/s/GPU", "MFU")
+    ep = any(e.layout.ep > 1 for e in estimates)  # an ep column only for a mixture of experts
+    head = ("#", "tp", *(("cp",) if cp else ()), "pp", "dp_rep", "dp_shard", *(("ep",) if ep else ()), "strategy",
+            "AC", "mbs", "schedule", "pp_mb", "GiB/GPU", "step s", "tok/s/GPU", "MFU")
     rows = [head]
     for i, e in enumerate(estimates, 1):
         lay = e.layout
         rows.append((str(i), str(lay.tp), *((str(lay.cp),) if cp else ()), str(lay.pp), str(lay.dp_replicate),
-                     str(lay.dp_shard), lay.strategy, lay.ac, str(lay.micro_batch),
+                     str(lay.dp_shard), *((str(lay.ep),) if ep else ()), lay.strategy, lay.ac, str(lay.micro_batch),
                      lay.pp_schedule if lay.pp > 1 else "-", str(lay.pp_microbatches) if lay.pp > 1 else "-",
                      f"{e.memory.total / GIB:.1f}", f"{e.step_time:.2f}",
                      f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}"))
@@ -44,6 +46,9 @@ def format_breakdown(e, gpu, title: str = "Best") -> str:
     verdict = "fits in" if m.total <= usable_bytes(gpu) else "does NOT fit in"
     lines.append(f"    {'total':<12}{m.total / GIB:8.2f}   {verdict} {usable_bytes(gpu) / GIB:.0f} usable of "
                  f"{gpu.hbm_bytes / GIB:.0f} ({HEADROOM:.0%} headroom)")
+    if e.layout.ep > 1:
+        lines.append(f"  routing imbalance assumed: the busiest ep rank receives {e.moe_imbalance:.2f} x the mean "
+                     f"token copies (its experts' compute, all-to-all time and activations; bytes are the mean)")
     lines.append("  sent per GPU per step, GB:  " + "  ".join(
         f"{dim} {b / 1e9:.1f}" for dim, b in e.comm_bytes.items()))
     lines.append("  step time, s:  " + "  ".join(f"{k} {v:.2f}" for k, v in e.times.items())
@@ -54,6 +59,9 @@ def format_breakdown(e, gpu, title: str = "Best") -> str:
                  f"of the compute they are assumed to hide behind")
     lines += [f"  WARNING: {w}" for w in e.warnings]
     return "\n".join(lines)
+
+
+MOE_KEYS = ("n_experts", "top_k", "n_dense_layers")  # [moe]'s keys a planned shape may carry
 
 
 def custom_layers(m) -> list[str]:
@@ -87,14 +95,17 @@ def to_toml(e, job: Job, name: str, command: str) -> str:
         "[job]", f'name = "{name}"', 'output_dir = "outputs"',
         f'description = "{m.family} {m.flavor}: {describe(lay)}"', 'device = "cuda"', "",
         "[model]", f'name = "{m.family}"', f'flavor = "{m.flavor}"', f"vocab_size = {m.vocab}",
-        *[f"{k} = {v}" for k, v in m.dims], *custom_layers(m), "",
+        *[f"{k} = {v}" for k, v in m.dims if k not in MOE_KEYS], *custom_layers(m), "",
+        *(["[moe]", *[f"{k} = {v}" for k, v in m.dims if k in MOE_KEYS], ""]
+          if any(k in MOE_KEYS for k, _ in m.dims) else []),
         "[training]", f"global_batch_size = {job.global_batch}",
         f"local_batch_size = {local}" + ("" if lay.pp > 1 else
                                           f"      # {forwards_per_step(job, lay)} accumulation step(s)"),
         f"seq_len = {job.seq_len}", 'mixed_precision_param = "bfloat16"',
         'mixed_precision_reduce = "float32"', "",
         "[parallelism]", f"dp_replicate = {lay.dp_replicate}", f"dp_shard = {lay.dp_shard}",
-        f"tp = {lay.tp}", f"pp = {lay.pp}", *([f"cp = {lay.cp}"] if lay.cp > 1 else []), *pipe,
+        f"tp = {lay.tp}", f"pp = {lay.pp}", *([f"cp = {lay.cp}"] if lay.cp > 1 else []),
+        *([f"ep = {lay.ep}"] if lay.ep > 1 else []), *pipe,
         f'sharding_strategy = "{lay.strategy}"',
         "sequence_parallel = true", "loss_parallel = true", "",
         "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", ""])

@@ -2,7 +2,8 @@
 fastest first.
 
 Enumerates tp inside a node x pp x dp_replicate x dp_shard, context parallelism inside the
-node too for sequences of LONG_SEQ tokens or more, micro-batch size, pipeline schedule and
+node too for sequences of LONG_SEQ tokens or more, expert parallelism (ep out of dp_shard)
+for a mixture of experts, micro-batch size, pipeline schedule and
 micro-batches, activation checkpointing and FSDP strategy; checks each with the functions
 train.py checks its config with; estimates the rest (planning/estimate.py).
 """
@@ -41,8 +42,21 @@ def check_layout(job: Job, lay: ParallelDims) -> None:
     if job.global_batch % lay.dp:
         raise LayoutError(f"global batch {job.global_batch} is not divisible by dp = {lay.dp}")
     check_strategy(lay.strategy, lay.degrees)
+    problems = lay.ep_problems(job.model.ep_divisible)  # the rules train.py applies to ep
+    if problems:
+        raise LayoutError("ep does not fit: " + "; ".join(problems))
     if lay.fsdp_shard == 1 and STRATEGIES[lay.strategy] != 0:
         raise LayoutError("no data-parallel sharding: model states would be held whole on every GPU")
+
+
+def expert_degrees(job: Job, dp_shard: int, dp_replicate: int, cp: int, strategy: str) -> list[int]:
+    """ep degrees to try: for a mixture of experts, each divisor of dp_shard that divides
+    the routed experts, where the layout allows ep (FULL_SHARD or SHARD_GRAD_OP, no
+    replicas, no cp: parallel/expert_parallel.py); 1 for everything else."""
+    divisible = job.model.ep_divisible
+    if not divisible or dp_replicate > 1 or cp > 1 or strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return [1]
+    return [ep for ep in divisors(dp_shard) if all(n % ep == 0 for n in divisible.values())]
 
 
 def candidates(job: Job):
@@ -68,13 +82,14 @@ def candidates(job: Job):
                         if schedule == "GPipe" and local // micro_batch >= pp:
                             continue  # 1F1B runs it: the same bubble, fewer micro-batches in flight
                         for strategy in strategies:
-                            for ac in AC_MODES:
-                                yield ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate,
-                                                   dp_shard=dp // dp_replicate, cp=cp, world_size=job.world,
-                                                   strategy=strategy, ac=ac, micro_batch=micro_batch,
-                                                   pp_schedule=schedule,
-                                                   pp_microbatches=local // micro_batch if pp > 1 else 1,
-                                                   stages_per_rank=v)
+                            for ep in expert_degrees(job, dp // dp_replicate, dp_replicate, cp, strategy):
+                                for ac in AC_MODES:
+                                    yield ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate,
+                                                       dp_shard=dp // dp_replicate, cp=cp, ep=ep,
+                                                       world_size=job.world, strategy=strategy, ac=ac,
+                                                       micro_batch=micro_batch, pp_schedule=schedule,
+                                                       pp_microbatches=local // micro_batch if pp > 1 else 1,
+                                                       stages_per_rank=v)
 
 
 def plan(job: Job) -> tuple[list[Estimate], Estimate | None, Counter]:

@@ -50,6 +50,20 @@ class ModelShape:
     max_positions: int = 0   # rows of a learned position table (0: positions are computed)
     head_dim: int = 0        # 0: dim / n_heads
     dims: tuple = ()         # ((key, value), ...) of [model]'s dimensions over the flavor's (dim, n_heads, ...)
+    # A mixture of experts (models with expert_modules(), models/registry.py): its first
+    # `dense_layers` blocks are sized as above, the others are MoE blocks of `moe_split` +
+    # `moe_replicated` non-expert parameters (attention, router, shared experts, norms) and
+    # `expert_params` routed-expert weights (all n_experts, each moe_hidden wide), of which a
+    # token uses top_k. Expert weights are replicated over TP and split over ep.
+    dense_layers: int = 0
+    moe_split: int = 0
+    moe_replicated: int = 0
+    expert_params: int = 0
+    n_experts: int = 0
+    top_k: int = 0
+    moe_hidden: int = 0      # one routed expert's SwiGLU width
+    shared_hidden: int = 0   # the shared experts' SwiGLU width (0: none)
+    ep_divisible: dict | None = field(default=None, compare=False)  # what ep must divide; None: no experts
 
     @classmethod
     def from_flavor(cls, flavor: str, vocab_size: int | None = None, family: str = "llama",
@@ -60,9 +74,17 @@ class ModelShape:
         overrides = {"vocab_size": vocab_size} if vocab_size else {}
         fam = registry.get(family)
         n_layers = dims.pop("n_layers", 0) or fam.flavors[flavor].n_layers
-        m = fam.model_class().from_flavor(flavor, meta=True, n_layers=1, **overrides, **dims)
+        build = {"n_layers": 1}
+        dense = dims.get("n_dense_layers", getattr(fam.flavors[flavor], "n_dense_layers", 0))
+        if 0 < dense < n_layers:  # a mixture with dense first blocks: one of each is enough
+            build = {"n_layers": 2, "n_dense_layers": 1}
+        elif dense:  # every block dense (an MoE flavor's dense twin)
+            build = {"n_layers": 1, "n_dense_layers": 1}
+        m = fam.model_class().from_flavor(flavor, meta=True, **overrides, **{**dims, **build})
         shape = cls.from_model(m, flavor=flavor, n_layers=n_layers, family=family,
                                learned_positions=fam.learned_positions)
+        if shape.expert_params:
+            shape = dataclasses.replace(shape, dense_layers=min(dense, n_layers))
         return dataclasses.replace(shape, dims=tuple(sorted(dims.items())))
 
     @classmethod
@@ -71,12 +93,26 @@ class ModelShape:
         from torch import nn
 
         c = m.cfg
-        block = next(iter(m.transformer_blocks().children()))
+        # Routed experts (the registry's optional expert_modules()): [n_experts, ...] weights.
+        experts = {id(p): p for mod in (m.expert_modules().values() if hasattr(m, "expert_modules") else ())
+                   for p in mod.parameters()}
+        blocks = list(m.transformer_blocks().children())
+        is_moe = lambda b: any(id(p) in experts for p in b.parameters())
+        moe_block = next((b for b in blocks if is_moe(b)), None)
+        block = next((b for b in blocks if not is_moe(b)), moe_block)
         in_block = {id(p) for p in m.transformer_blocks().parameters()}  # every block's: m may have more than one
         embeddings = [mod.weight for mod in m.modules() if isinstance(mod, nn.Embedding)]
         outside = [p for p in m.parameters() if id(p) not in in_block and all(p is not e for e in embeddings)]
-        count = lambda params, ndim: sum(p.numel() for p in params if p.ndim == ndim)
+        count = lambda params, ndim: sum(p.numel() for p in params if p.ndim == ndim and id(p) not in experts)
         n_kv = getattr(c, "n_kv_heads", None) or c.n_heads
+        moe = {}
+        if moe_block is not None:
+            routed = [p for p in moe_block.parameters() if id(p) in experts]
+            moe = dict(moe_split=count(moe_block.parameters(), 2), moe_replicated=count(moe_block.parameters(), 1),
+                       expert_params=sum(p.numel() for p in routed), n_experts=routed[0].shape[0],
+                       top_k=c.top_k, moe_hidden=c.moe_hidden,
+                       shared_hidden=getattr(c, "n_shared_experts", 0) * c.moe_hidden,
+                       ep_divisible=m.ep_divisible())
         return cls(flavor=flavor, n_layers=n_layers, dim=c.dim, n_heads=c.n_heads,
                    kv_dim=n_kv * c.head_dim, ffn_hidden=c.ffn_hidden, vocab=c.vocab_size,
                    layer_split=count(block.parameters(), 2), layer_replicated=count(block.parameters(), 1),
@@ -85,16 +121,34 @@ class ModelShape:
                    head_replicated=count(outside, 1), tied=c.tie_embeddings,
                    tp_divisible=m.tp_divisible(), family=family,
                    max_positions=c.max_seq_len if learned_positions else 0,
-                   head_dim=getattr(c, "head_dim", 0) or 0)
+                   head_dim=getattr(c, "head_dim", 0) or 0,
+                   dense_layers=(c.n_dense_layers if moe else 0), **moe)
 
     @property
     def layer_params(self) -> int:
         return self.layer_split + self.layer_replicated
 
     @property
+    def moe_layers(self) -> int:
+        """Blocks with routed experts: the last n_layers - dense_layers (0 for a dense model)."""
+        return self.n_layers - self.dense_layers if self.expert_params else 0
+
+    @property
+    def moe_layer_params(self) -> int:
+        return self.moe_split + self.moe_replicated + self.expert_params
+
+    @property
     def n_params(self) -> int:
         head = 0 if self.tied else self.head_split  # a tied output is the embedding's weight
-        return self.n_layers * self.layer_params + self.embedding + head + self.head_replicated
+        return ((self.n_layers - self.moe_layers) * self.layer_params + self.moe_layers * self.moe_layer_params
+                + self.embedding + head + self.head_replicated)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (MFU and
+        the FLOPs count them, as training/metrics.py does with the model's active_parameters())."""
+        unused = self.expert_params * (self.n_experts - self.top_k) // self.n_experts if self.n_experts else 0
+        return self.n_params - self.moe_layers * unused
 
 
 @dataclass(frozen=True)
@@ -114,6 +168,12 @@ class Job:
     # [optimizer] name = "Muon": the fraction of the trained parameters Muon updates (the
     # hidden matrices), which keep one fp32 moment instead of AdamW's two.
     muon: float = 0.0
+    # A mixture of experts under expert parallelism: the busiest ep rank receives this
+    # many times the mean token copies per MoE layer (routing imbalance; docs/planning.md,
+    # Mixture of experts: 1.25, Switch Transformer's training capacity factor). It scales
+    # that rank's expert compute, its all-to-all time and its expert activations; the
+    # bytes reported are the mean over the ranks (what a traced step counts).
+    moe_imbalance: float = 1.25
 
     @property
     def world(self) -> int:

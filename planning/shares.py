@@ -26,10 +26,15 @@ class RankShare:
     head_inflight: int              # micro-batches whose loss is kept for backward (last stage)
     stage_ids: tuple[int, ...] = (0,)   # its stages' global indices, in stage_layers' order
     n_stages: int = 1                   # stages of the whole pipeline
+    stage_moe: tuple[int, ...] = (0,)   # of each stage's layers, the MoE blocks (the model's last ones)
 
     @property
     def layers(self) -> int:
         return sum(self.stage_layers)
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.stage_moe)
 
 
 def rank_shares(job: Job, lay: ParallelDims) -> list[RankShare]:
@@ -37,8 +42,9 @@ def rank_shares(job: Job, lay: ParallelDims) -> list[RankShare]:
     its peak. Stages come from parallel.pipeline (the same split and placement train.py
     uses), so an invalid pipeline raises the same LayoutError."""
     L, pp, m, v = job.model.n_layers, lay.pp, lay.pp_microbatches, lay.stages_per_rank
+    first_moe = L - job.model.moe_layers  # MoE blocks follow the dense ones (models/moe: n_dense_layers)
     if pp == 1:
-        return [RankShare((L,), True, True, inflight=L, head_inflight=1)]
+        return [RankShare((L,), True, True, inflight=L, head_inflight=1, stage_moe=(job.model.moe_layers,))]
     stages = check_pipeline(pp=pp, n_layers=L, schedule=lay.pp_schedule, stages_per_rank=v,
                             n_microbatches=m, local_batch=rank_batch(job, lay))
     style = lay.placement
@@ -54,8 +60,19 @@ def rank_shares(job: Job, lay: ParallelDims) -> list[RankShare]:
         actions = rank_actions(lay.pp_schedule, pp, v, m)[r]
         inflight, live, _ = in_flight_at_peak(actions, {s: len(stages[s]) for s in ids})
         head = max(1, live.get(len(stages) - 1, 0))
-        shares.append(RankShare(sizes, 0 in ids, len(stages) - 1 in ids, inflight, head, tuple(ids), len(stages)))
+        moe = tuple(sum(layer >= first_moe for layer in stages[s]) for s in ids)
+        shares.append(RankShare(sizes, 0 in ids, len(stages) - 1 in ids, inflight, head, tuple(ids), len(stages),
+                                moe))
     return shares
+
+
+def checkpointed_moe_blocks(share: RankShare, ac: str) -> int:
+    """Of `checkpointed_blocks`, the MoE ones (each stage's last stage_moe blocks)."""
+    if ac == "full":
+        return share.moe_layers
+    if ac == "selective":
+        return sum(sum(j % 2 == 0 for j in range(n - k, n)) for n, k in zip(share.stage_layers, share.stage_moe))
+    return 0
 
 
 def checkpointed_blocks(share: RankShare, ac: str) -> int:

@@ -9,16 +9,18 @@ plus its bytes over what its group gets of NVLink and of the node's NICs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from meshtrain.parallel.context_parallel import kv_repeats
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
-from meshtrain.planning.kernels import block_seconds, head_seconds
-from meshtrain.planning.memory import BF16, FP32, largest_unit, rank_local_params
+from meshtrain.planning.kernels import block_seconds, expert_seconds, head_seconds
+from meshtrain.planning.memory import (BF16, FP32, expert_shard_degree, largest_unit, rank_params,
+                                       rank_sharded_params)
 from meshtrain.planning.schedule import makespan
 from meshtrain.planning.shape import Job, ModelShape, forwards_per_step, keeps_gathered, replica_group, shard_degree
-from meshtrain.planning.shares import checkpointed_blocks, rank_shares
+from meshtrain.planning.shares import checkpointed_blocks, checkpointed_moe_blocks, rank_shares
 
 
 def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
@@ -58,18 +60,34 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # of NCCL's algorithm + bytes over NVLink / the node's NICs, planning/hardware.py).
     net = job.net
     tp_g, cp_g, pp_g = (t, 1), (cp, t), (lay.pp, t * lay.dp * cp)
+    ep_g = (lay.ep, t * cp)  # ep: neighbouring dp_shard ranks (parallel/expert_parallel.py)
     # NO_SHARD: no shard group (size 1, free); gradients all-reduced over every replica.
     dp_g, rep_g = (shard_degree(lay), t), replica_group(lay)
 
-    per_mb, tp_bytes, pp_bytes, cp_bytes, fsdp, parts = [], [], [], [], [], []
+    per_mb, tp_bytes, pp_bytes, cp_bytes, ep_bytes, fsdp, parts = [], [], [], [], [], [], []
+    # A mixture of experts: its MoE blocks' attention, router and shared experts as a block
+    # (planning/kernels.py), their routed experts apart (expert_seconds).
+    moe_block = dataclasses.replace(m, layer_split=m.moe_split, ffn_hidden=m.shared_hidden)
+    ep = lay.ep
+    # The busiest ep rank receives moe_imbalance x the mean token copies (Job.moe_imbalance).
+    skew = job.moe_imbalance if ep > 1 else 1.0
     for share in shares:
-        ckpt = checkpointed_blocks(share, lay.ac)
+        ckpt, ckpt_moe = checkpointed_blocks(share, lay.ac), checkpointed_moe_blocks(share, lay.ac)
+        n_moe = share.moe_layers
         # Matmuls, attention and memory-bound work at their own speeds (planning/kernels.py);
         # this rank runs s / cp tokens of each of the micro-batch's b sequences.
         tokens = b * s / cp
-        run = lambda recompute: block_seconds(m, tokens=tokens, seq=s, tp=t, cp=cp, gpu=gpu,
-                                              recompute=recompute, compiled=job.compiled)
-        seconds = (run("full") * ckpt + run("op" if lay.ac == "op" else "none") * (share.layers - ckpt))
+        run = lambda shape, recompute: block_seconds(shape, tokens=tokens, seq=s, tp=t, cp=cp, gpu=gpu,
+                                                     recompute=recompute, compiled=job.compiled)
+        kept = "op" if lay.ac == "op" else "none"
+        seconds = (run(m, "full") * (ckpt - ckpt_moe) + run(m, kept) * (share.layers - n_moe - ckpt + ckpt_moe))
+        if n_moe:
+            # Every tp rank routes the same (whole) sequences: its experts see tokens x top_k
+            # copies, not split by tp.
+            experts = lambda recompute: expert_seconds(m, copies=tokens * m.top_k * skew, gpu=gpu,
+                                                       recompute=recompute, compiled=job.compiled)
+            seconds = (seconds + (run(moe_block, "full") + experts("full")) * ckpt_moe
+                       + (run(moe_block, kept) + experts(kept)) * (n_moe - ckpt_moe))
         if share.last:
             seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu)
         compute = seconds.total
@@ -89,19 +107,34 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         n_a2a = 2 * share.layers + ckpt
         cp_in = cp_exchange_bytes(m, s, b, t, cp)
         cp_b = n_a2a * cp_in * (cp - 1) / cp
+        # EP, per MoE layer: dispatch and combine forward, their gradients backward, and the
+        # forward's two again when the block is recomputed; each all-to-all takes this
+        # rank's tokens x top_k copies of dim and keeps 1/ep of them (on average: the mean
+        # over the ranks, for any routing). Each forward first exchanges the n_experts int64
+        # counts. Between the router and the experts: on the critical path, and the busiest
+        # rank receives `skew` x the mean.
+        ep_in, counts = BF16 * tokens * m.top_k * m.dim, 8 * m.n_experts
+        n_ep, n_counts = (4 * n_moe + 2 * ckpt_moe, n_moe + ckpt_moe) if ep > 1 else (0, 0)
+        ep_b = (n_ep * ep_in + n_counts * counts) * (ep - 1) / ep
         per_mb.append((compute, n_coll * net.seconds("all-gather", act, *tp_g),
                        sends * net.seconds("send/recv", act / t, *pp_g),
-                       4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g)))
+                       4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g),
+                       n_ep * net.seconds("all-to-all", ep_in * skew, *ep_g)
+                       + n_counts * net.seconds("all-to-all", counts, *ep_g)))
         tp_bytes.append(tp_b * n_mb)
         pp_bytes.append(pp_b * n_mb)
         cp_bytes.append(cp_b * n_mb)
-        local = rank_local_params(m, share, t)
-        fsdp.append((local, largest_unit(m, share, t), share.layers + share.first + share.last))
+        ep_bytes.append(ep_b * n_mb)
+        other, routed = rank_params(m, share, t, ep)
+        if ep == 1:  # the experts are part of their block's unit, sharded with it
+            other, routed = other + routed, 0.0
+        fsdp.append((other + routed, other, routed, largest_unit(m, share, t, ep),
+                     share.layers + share.first + share.last, n_moe, rank_sharded_params(m, share, lay)))
 
     # The slowest pipeline rank sets the pace of every micro-batch.
     worst = max(range(len(shares)), key=lambda r: sum(per_mb[r]))
-    compute, tp_time, pp_time, cp_time = (x * n_mb for x in per_mb[worst])
-    busy = compute + tp_time + pp_time + cp_time
+    compute, tp_time, pp_time, cp_time, ep_time = (x * n_mb for x in per_mb[worst])
+    busy = compute + tp_time + pp_time + cp_time + ep_time
     # Bubble: play torch's own schedule out with this rank's times (planning/schedule.py),
     # a backward twice a forward; for 1F1B that is fill and drain, (pp - 1) micro-batches.
     bubble = 0.0
@@ -113,19 +146,26 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
 
     # FSDP on the rank with the most parameters. Ring collectives: each GPU sends (n-1)/n of
     # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
-    local, unit, n_units = max(fsdp)
+    # Under ep the routed experts are FSDP units of their own, over the dp_shard / ep ranks
+    # holding the same experts (stride tp x ep).
+    _, local, routed, unit, n_units, n_moe, sharded = max(fsdp)
     (ds, _), (dr, _) = dp_g, rep_g
+    de, ex_g = expert_shard_degree(lay), (expert_shard_degree(lay), t * ep)
     n_ag, n_rs = fsdp_rounds(lay, job)
     ag = BF16 * local * (ds - 1) / ds
     rs = FP32 * local * (ds - 1) / ds
     ar = 2 * FP32 * local / ds * (dr - 1) / dr
+    ag_e, rs_e = BF16 * routed * (de - 1) / de, FP32 * routed * (de - 1) / de
     # Each round runs one collective per FSDP unit (a block, the embedding, norm + output):
     # n_units collectives of the average unit (the latency is paid per collective).
     per_unit = local / n_units
-    gather = lambda params: net.seconds("all-gather", BF16 * params, *dp_g)
+    gather = lambda params, g=dp_g: net.seconds("all-gather", BF16 * params, *g)
     reduce = lambda params: (net.seconds("reduce-scatter", FP32 * params, *dp_g)
                              + net.seconds("all-reduce", FP32 * params / ds, *rep_g))
     round_ag, round_rs = n_units * gather(per_unit), n_units * reduce(per_unit)
+    if routed:
+        round_ag += n_moe * gather(routed / n_moe, ex_g)
+        round_rs += n_moe * net.seconds("reduce-scatter", FP32 * routed / n_moe, *ex_g)
     fsdp_time = n_ag * round_ag + n_rs * round_rs
     # Overlap: FSDP2 prefetches, so its collectives hide behind compute except the first
     # unit's gather and the last unit's reduction of each round. Under a pipeline the one
@@ -135,14 +175,16 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     else:
         exposed = max(0.0, fsdp_time - compute) + n_mb * (gather(unit) + reduce(unit))
     # AdamW is memory-bound: read param, grad, m, v; write param, m, v (fp32), + the grad norm.
-    optimizer = 8 * FP32 * local / ds / gpu.hbm_bandwidth
+    optimizer = 8 * FP32 * sharded / gpu.hbm_bandwidth
 
     step = busy + bubble + exposed + optimizer
     return StepTime(
         seconds=step,
         comm_bytes={"dp_shard": n_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
-                    "tp": max(tp_bytes), "pp": max(pp_bytes), **({"cp": max(cp_bytes)} if cp > 1 else {})},
+                    "tp": max(tp_bytes), "pp": max(pp_bytes), **({"cp": max(cp_bytes)} if cp > 1 else {}),
+                    **({"ep": max(ep_bytes), "dp_shard_mod_ep": n_ag * ag_e + n_rs * rs_e} if ep > 1 else {})},
         times={"compute": compute, "tp": tp_time, "pp": pp_time, **({"cp": cp_time} if cp > 1 else {}),
+               **({"ep": ep_time} if ep > 1 else {}),
                "bubble": bubble, "fsdp": exposed, "optimizer": optimizer}, fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
 

@@ -151,9 +151,10 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     pending = {}
     for a in actions:
         part, scale = by_stage[a.stage], n_micro * accum / forwards[a.stage]
-        # TP collectives happen per micro-batch, FSDP's per schedule step (once per
-        # accumulation step): scale what was traced to the whole step.
-        comm.scale = lambda dim, kind, scale=scale: scale if dim == "tp" else accum
+        # TP collectives (and expert parallelism's all-to-alls) happen per micro-batch,
+        # FSDP's per schedule step (once per accumulation step): scale what was traced to
+        # the whole step.
+        comm.scale = lambda dim, kind, scale=scale: scale if dim in ("tp", "ep") else accum
         with loss_parallel_context(loss_parallel):
             if a.kind == "F":
                 # The tracker refuses a second top-level call of a module it has seen (it
