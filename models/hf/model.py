@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from meshtrain.models.common import fsdp_units, vocab_parallel_ends
 from meshtrain.models.hf.config import HFConfig, HFModelError, config_path, read_hf_config
 from meshtrain.models.hf.config_checks import config_problem, file_problem
+from meshtrain.models.hf.experts import RoutedExperts, plan_addresses, route_experts_
 from meshtrain.models.hf.tp_styles import STYLES, refusal, translate
 from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
 from meshtrain.parallel.lora import init_adapters_
@@ -145,11 +146,18 @@ class HFModel:
         self._mt_embed, self._mt_norm = _ends(base, getattr(config, "base_model_pp_plan", None) or {},
                                               self._mt_layers, self._mt_embed_path)
         plan = tp_plan if tp_plan is not None else dict(getattr(config, "base_model_tp_plan", None) or {})
-        self._mt_tp_words = plan
+        # Routed experts in transformers' fused layout run as meshtrain's (experts.py): whole
+        # on every TP rank -- each routes the same tokens -- and split by expert parallelism.
+        routed, self._mt_unknown_experts = route_experts_(self)
+        self._mt_n_experts = next((m.gate_up_proj.shape[0] for m in routed.values()), 0)
+        paths = [name.removeprefix(f"{self._mt_base}.") for name in routed]
+        self._mt_tp_words = {key: word for key, word in plan.items() if not plan_addresses(key, paths)}
 
-    def layout_refusal(self, *, tp: int, pp: int) -> str | None:
+    def layout_refusal(self, *, tp: int, pp: int, ep: int = 1) -> str | None:
         """Why this model cannot take these degrees (checked before any process group), or None."""
         name = type(self).__name__
+        if ep > 1 and self._mt_unknown_experts:
+            return self._unknown_experts_refusal(ep)
         if tp > 1:
             if not self._mt_tp_words:
                 return (f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan): "
@@ -215,6 +223,23 @@ class HFModel:
 
     def _head(self) -> nn.Module | None:
         return getattr(self, HEAD, None)
+
+    def expert_modules(self) -> dict[str, nn.Module]:
+        """The routed experts of each MoE layer on this part, by module name (experts.py's
+        `RoutedExperts`: forward(x_sorted, tokens_per_expert), weights [n_experts, ...])."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, RoutedExperts)}
+
+    def ep_divisible(self) -> dict[str, int] | None:
+        """What expert parallelism splits: the routed experts; None when there are none it can
+        split (a dense model; experts in another layout, which layout_refusal names)."""
+        return {"routed experts": self._mt_n_experts} if self._mt_n_experts else None
+
+    def _unknown_experts_refusal(self, ep: int) -> str:
+        found = self._mt_unknown_experts
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        return (f"ep={ep}: {type(self).__name__}'s experts are not in the layout meshtrain splits (transformers' fused "
+                f"experts: gate_up_proj [experts, 2 x width, dim] and down_proj [experts, dim, width], no bias, "
+                f"not transposed): {found[0]}{more}; use ep = 1 (FSDP shards them whole)")
 
     def tp_divisible(self) -> dict[str, int]:
         c = self.cfg
