@@ -260,9 +260,9 @@ class HFModel:
                 continue  # a pipeline stage without blocks
             if key == self._mt_embed_path and not has_embedding:
                 continue  # a pipeline stage after the first
-            style = translate(word)
-            if style is not None:
-                plan[f"{self._mt_base}.{key}"] = style
+            if translate(word) is not None:
+                for each in self._blocks_holding(key):
+                    plan[f"{self._mt_base}.{each}"] = translate(word)  # a style per key: torch's keep state
         if self._mt_embed is None:  # the ends stay whole (FSDP shards them); the logits are plain
             return plan
         embedding, output = vocab_parallel_ends(sequence_parallel=False, loss_parallel=loss_parallel)
@@ -271,6 +271,17 @@ class HFModel:
         if self._head() is not None:
             plan[HEAD] = output
         return plan
+
+    def _blocks_holding(self, key: str) -> list[str]:
+        """``key`` ("layers.*.mlp.gate_proj"), or where only some blocks hold that module (a
+        mixture of experts' dense blocks), one key per block that does ("layers.0.mlp.gate_proj"):
+        torch warns of a pattern that misses in some blocks."""
+        parts = key.split(".")
+        if len(parts) < 3 or parts[0] != self._mt_layers or parts[1] != "*" or "*" in parts[2:]:
+            return [key]
+        rest = ".".join(parts[2:])
+        holding = [i for i, block in self._layers()._modules.items() if _holds(block, rest)]
+        return [key] if len(holding) == len(self._layers()) else [f"{parts[0]}.{i}.{rest}" for i in holding]
 
     def _tied_split_refusal(self) -> str | None:
         """A tied embedding and output layer are one weight, so TP must split them alike:
