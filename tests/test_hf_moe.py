@@ -129,3 +129,21 @@ def test_initial_load_reads_each_ranks_experts_under_ep_and_tp(saved, fake_world
                 ep = p.device_mesh.mesh_dim_names.index("ep")
                 assert str(p.placements[ep]) == "S(0)" and p.to_local().shape[0] == 4, (name, p.placements)
                 assert offset[0] == 4 * (rank // 2), (rank, name)  # ep is dp_shard here: tp innermost
+
+
+def test_export_of_the_fused_experts_loads_in_transformers(tmp_path):
+    """`export --format hf` writes the model's names (a DCP checkpoint holds each expert
+    weight whole under its name, whatever the ep it was saved from): from_pretrained loads
+    them into the unmodified class, with our logits."""
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.models.hf.weights import save_hf
+
+    ours = build_hf("", hf=MOE["qwen3_moe"])
+    ours.init_weights(seed=5, device="cpu")
+    save_hf(ours.state_dict().items(), ours.cfg, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not isinstance(loaded.model.layers[1].mlp.experts, RoutedExperts)
+    tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, ours(tokens), atol=1e-6, rtol=0)
