@@ -8,6 +8,8 @@ tests/test_expert_parallel.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from meshtrain.models.hf.model import build_hf, causal_lm_class
 from meshtrain.models.hf.weights import load_hf_weights_
 from meshtrain.parallel import ParallelDims, parallelize
 from meshtrain.parallel.init import canonical_name
+from tests.conftest import ROOT
 from tests.hf_configs import ARCHS, COMMON
 
 MOE = {
@@ -73,7 +76,7 @@ def test_tp_plan_leaves_the_experts_whole():
     """transformers' plan splits the experts' weights (packed_colwise, moe_tp_experts);
     meshtrain drops those entries (experts whole on each tp rank, split by ep instead)
     and keeps the attention's and the dense block's."""
-    model = build_hf("configs/hf/qwen3-moe-tiny")
+    model = build_hf(str(ROOT / "configs/hf/qwen3-moe-tiny"))
     assert model.layout_refusal(tp=2, pp=1, ep=2) is None
     assert all(".experts" not in key for key in model._mt_tp_words), model._mt_tp_words
     assert {"layers.*.self_attn.q_proj", "layers.*.mlp.gate_proj"} <= set(model._mt_tp_words)
@@ -147,3 +150,16 @@ def test_export_of_the_fused_experts_loads_in_transformers(tmp_path):
     tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(loaded(tokens).logits, ours(tokens), atol=1e-6, rtol=0)
+
+
+def test_active_parameters_count_the_top_k_of_each_layers_experts():
+    """MFU counts what a token uses: every weight but the experts it is not sent to."""
+    model = build_hf(str(ROOT / "configs/hf/qwen3-moe-tiny"))
+    cls = causal_lm_class(model.cfg.hf)
+    plain = dict(cls(cls.config_class.from_dict(model.cfg.hf)).named_parameters())
+    experts = sum(p.numel() for name, p in plain.items() if ".mlp.experts." in name)
+    others = sum(p.numel() for p in plain.values()) - experts
+    hf = json.loads((ROOT / "configs/hf/qwen3-moe-tiny/config.json").read_text())
+    assert model.active_parameters() == others + experts * hf["num_experts_per_tok"] // hf["num_experts"]
+    assert build_hf("", hf={**COMMON, **ARCHS["qwen3"]}).active_parameters() == sum(
+        p.numel() for p in build_hf("", hf={**COMMON, **ARCHS["qwen3"]}).parameters())  # dense: all of them

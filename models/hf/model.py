@@ -18,6 +18,7 @@ between blocks (the norms run unsplit; attention and MLP split by heads and widt
 from __future__ import annotations
 
 import copy
+import math
 from collections import OrderedDict
 
 import torch
@@ -233,6 +234,16 @@ class HFModel:
         """What expert parallelism splits: the routed experts; None when there are none it can
         split (a dense model; experts in another layout, which layout_refusal names)."""
         return {"routed experts": self._mt_n_experts} if self._mt_n_experts else None
+
+    def active_parameters(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (what MFU
+        counts, training/metrics.py); ``num_experts_per_tok`` of the config's experts."""
+        total = sum(p.numel() for p in self.parameters())
+        k = getattr(self.config.get_text_config(), "num_experts_per_tok", None)
+        if not k:
+            return total
+        per_expert = lambda m: sum(math.prod(p.shape[1:]) for p in (m.gate_up_proj, m.down_proj))
+        return total - sum(per_expert(m) * (m.gate_up_proj.shape[0] - k) for m in self.expert_modules().values())
 
     def _unknown_experts_refusal(self, ep: int) -> str:
         found = self._mt_unknown_experts
