@@ -47,8 +47,11 @@ class RoutedExperts:
         tokens_per_expert = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
         tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))  # not bincount: its size is data
         routed = nn.Module.__call__(self, hidden_states[source], tokens_per_expert)  # with expert parallelism's hooks
-        routed = routed * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
-        return torch.zeros_like(hidden_states).index_add_(0, source, routed.to(hidden_states.dtype))
+        # Back in token order (a permutation: no atomic adds, as models/moe/layer.py's
+        # combine), then each token's k copies weighed and summed.
+        unsorted = torch.empty_like(routed).index_copy(0, order, routed).view(-1, k, routed.shape[-1])
+        out = (unsorted * top_k_weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)
+        return out.to(hidden_states.dtype)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert (``tokens_per_expert[e]`` of them for the e-th expert this
