@@ -79,7 +79,7 @@ def test_hf_moe_layouts_that_cannot_run_are_refused_naming_the_experts(tmp_path)
                    layer_types=["full_attention"] * 2, attn_implementation="eager",
                    rope_parameters=dict(rope_type="default", rope_theta=10000.0))
     message = refusal(gpt_oss)
-    for needle in ("[parallelism]", "ep = 2", "GptOssForCausalLM's experts are not in the layout meshtrain splits",
+    for needle in ("[parallelism]", "ep = 2", "GptOssForCausalLM's experts are not in the layout meshtrain splits over ep=2",
                    "model.layers.0.mlp.experts (GptOssExperts: is_concatenated=False, is_transposed=True, has_bias=True)",
                    "use ep = 1"):
         assert needle in message, message

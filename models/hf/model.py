@@ -248,7 +248,7 @@ class HFModel:
     def _unknown_experts_refusal(self, ep: int) -> str:
         found = self._mt_unknown_experts
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        return (f"ep={ep}: {type(self).__name__}'s experts are not in the layout meshtrain splits (transformers' fused "
+        return (f"{type(self).__name__}'s experts are not in the layout meshtrain splits over ep={ep} (transformers' fused "
                 f"experts: gate_up_proj [experts, 2 x width, dim] and down_proj [experts, dim, width], no bias, "
                 f"not transposed): {found[0]}{more}; use ep = 1 (FSDP shards them whole)")
 
