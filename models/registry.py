@@ -26,7 +26,8 @@ Optional -- the step calls them on each model part that has them (models/moe/mod
     metrics() -> {tag: value}   extra scalars to log on logged steps (after after_optimizer_step);
                                 a tag several pipeline stages report is summed over them
 
-Optional -- what expert parallelism (`[parallelism] ep`, parallel/expert_parallel.py) splits:
+Optional -- what expert parallelism (`[parallelism] ep`, parallel/expert_parallel.py) splits
+(models/moe/model.py; models/hf/experts.py makes transformers' fused experts answer it):
     expert_modules() -> {name: module}  modules whose forward is forward(x_sorted,
                                 tokens_per_expert) (rows grouped by expert) with weights
                                 [n_experts, ...]; a model without it refuses ep > 1

@@ -70,14 +70,16 @@ def _names_in(path: Path) -> set[str]:
 @torch.no_grad()
 def fill_from_safetensors_(model: torch.nn.Module, hf_dir: Path, stored_name: Callable[[str, dict], str],
                            read_block: Callable | None = None, *, adapters: bool = False,
-                           files: dict[str, Path] | None = None) -> None:
+                           files: dict[str, Path] | None = None, assembled: Callable | None = None) -> None:
     """Fill every parameter of ``model`` (plain, a pipeline stage, or sharded with any
     placements) from the safetensors in ``hf_dir``. ``stored_name(our name, files)`` is
     the tensor's name there; ``read_block(source, shape, offset, our name)`` reads this
     rank's block of it (default: the block as stored). Each rank reads only its own block
     of each tensor, so peak extra memory is about one local shard. ``adapters``: fill the
     LoRA adapters (from ``files``, a PEFT folder's) instead of the model's own weights,
-    which a model's folder holds and a PEFT folder does not."""
+    which a model's folder holds and a PEFT folder does not. ``assembled(stored name, files,
+    get_slice)``: for a name the folder does not hold, an object answering as a slice does
+    (get_shape, [slices]) built from the tensors it does hold, or None."""
     files = files if files is not None else tensor_files(hf_dir)
     with contextlib.ExitStack() as stack:
         opened: dict[Path, object] = {}  # safetensors maps each file; a slice reads only its bytes
@@ -86,14 +88,18 @@ def fill_from_safetensors_(model: torch.nn.Module, hf_dir: Path, stored_name: Ca
             if is_adapter(name) != adapters:
                 continue
             stored = stored_name(name, files)
-            if stored not in files:
+
+            def get_slice(stored):
+                try:  # tensor_files checked every file; this one may have changed since
+                    if files[stored] not in opened:
+                        opened[files[stored]] = stack.enter_context(safe_open(files[stored], framework="pt"))
+                    return opened[files[stored]].get_slice(stored)
+                except (SafetensorError, OSError) as err:
+                    raise ValueError(f"{files[stored]}: cannot read {stored} ({err})") from None
+
+            source = get_slice(stored) if stored in files else assembled(stored, files, get_slice) if assembled else None
+            if source is None:
                 raise ValueError(f"{stored} (the model's {name}) is missing from the weights in {hf_dir}")
-            try:  # tensor_files checked every file; this one may have changed since
-                if files[stored] not in opened:
-                    opened[files[stored]] = stack.enter_context(safe_open(files[stored], framework="pt"))
-                source = opened[files[stored]].get_slice(stored)
-            except (SafetensorError, OSError) as err:
-                raise ValueError(f"{files[stored]}: cannot read {stored} ({err})") from None
             if tuple(source.get_shape()) != tuple(param.shape):
                 raise ValueError(f"{stored} has shape {tuple(source.get_shape())} in the checkpoint, "
                                  f"but the model's {name} is {tuple(param.shape)} (checkpoint: {hf_dir})")

@@ -44,7 +44,7 @@ def check_ep_fits(ep: int, *, dp_shard: int, divisible: dict[str, int] | None, d
     if ep == 1:
         return []
     if divisible is None:
-        return [f"ep={ep} splits routed experts, and this model has none (no expert_modules()); use ep = 1"]
+        return [f"ep={ep} splits routed experts, and this model has none it can split (expert_modules()); use ep = 1"]
     problems = [f"ep={ep} does not divide the {what} ({size}): {size} % {ep} = {size % ep}"
                 for what, size in divisible.items() if size % ep]
     if dp_shard % ep:

@@ -30,6 +30,11 @@ ARCHS = {
                     residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
                     tie_word_embeddings=True),
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False),
+    # Qwen3-MoE: transformers' fused routed experts (8, top 2, renormalised), split by
+    # expert parallelism; the first block dense; per-head q/k norms as Qwen3's.
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16,
+                      num_hidden_layers=3, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False),
 }
 
 

@@ -54,6 +54,7 @@ class Run:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     final: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # the last step's (clipped, if clipping binds)
 
 
 def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], *, lr: float,
@@ -103,6 +104,7 @@ def train(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]
         run.losses.append(total)
         run.grad_norms.append(norm.item())
     run.final = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    run.grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
     return run
 
 

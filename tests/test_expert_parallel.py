@@ -62,3 +62,32 @@ def test_dry_run_counts_the_dispatch_and_combine_all_to_alls():
     # 8 sequences over 4 ranks: 2 each; the debug flavor: 3 MoE layers, top 2 of 8, dim 64.
     assert (count, payload) == ep_all_to_all_bytes(moe_layers=3, tokens=2 * 64, top_k=2, dim=64, n_experts=8)
     assert sent == payload * (2 - 1) / 2
+
+
+def test_hf_moe_layouts_that_cannot_run_are_refused_naming_the_experts(tmp_path):
+    """`[model] name = "hf"`: experts in a layout meshtrain does not split (gpt-oss keeps
+    them transposed, with biases; JetMoE as its own module), and ep not dividing the
+    experts -- each one line before any process group, so every rank stops at once."""
+    from tests.hf_configs import ARCHS, COMMON, extra_config
+
+    def refusal(hf: dict, *args: str) -> str:
+        folder = extra_config(tmp_path, f"m{len(list(tmp_path.iterdir()))}", **hf)
+        return dry_run_refusal("--config", "hf_moe_debug", "--world-size", "4", f"--job.output_dir={tmp_path}",
+                               f"--model.hf_config={folder}", *args)
+
+    gpt_oss = dict(COMMON, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                   layer_types=["full_attention"] * 2, attn_implementation="eager",
+                   rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    message = refusal(gpt_oss)
+    for needle in ("[parallelism]", "ep = 2", "GptOssForCausalLM's experts are not in the layout meshtrain splits over ep=2",
+                   "model.layers.0.mlp.experts (GptOssExperts: is_concatenated=False, is_transposed=True, has_bias=True)",
+                   "use ep = 1"):
+        assert needle in message, message
+    jetmoe = dict(COMMON, model_type="jetmoe", num_local_experts=4, num_experts_per_tok=2, kv_channels=16)
+    message = refusal(jetmoe)
+    assert "JetMoeParallelExperts: not transformers' fused experts" in message and "use ep = 1" in message, message
+    six = {**COMMON, **ARCHS["qwen3_moe"], "num_experts": 6}
+    message = refusal(six, "--parallelism.ep=4")
+    assert "[parallelism] ep = 4" in message and "routed experts (6)" in message and "6 % 4 = 2" in message, message
+    message = refusal({**COMMON, **ARCHS["qwen3"]})  # a dense model has no experts to split
+    assert "[parallelism] ep = 2" in message and "has none" in message and "use ep = 1" in message, message

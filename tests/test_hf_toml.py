@@ -11,8 +11,11 @@ embeddings, also tied across pipeline stages), Phi3 (fused qkv and gate_up proje
 projections, after attention and MLP rather than before), Qwen3 (per-head q/k norms:
 "replicated_with_grad_allreduce"), GPT-NeoX (a plan that splits the embedding itself:
 "embedding_rowwise"; also split by columns and left whole through [model] hf_tp_plan),
-Granite (embedding, residual, attention and logit multipliers), Llama, and GPT-2 (FSDP
-only: no TP plan; its refusals are in tests/test_hf_refusals.py)."""
+Granite (embedding, residual, attention and logit multipliers), Llama, GPT-2 (FSDP
+only: no TP plan; its refusals are in tests/test_hf_refusals.py), and Qwen3-MoE under
+expert parallelism (FSDP x EP, FSDP x EP x TP, PP x FSDP x EP), started from a folder transformers'
+save_pretrained wrote (`initial_load_hf`: one tensor per expert, fused as it loads) and
+judged against the unmodified class from_pretrained loads, in gradients too."""
 
 from __future__ import annotations
 
@@ -37,10 +40,14 @@ NEOX_BLOCKS = ("layers.*.attention.query_key_value=colwise,layers.*.attention.de
                "layers.*.mlp.dense_h_to_4h=colwise,layers.*.mlp.dense_4h_to_h=rowwise")
 LAYOUTS.update({f"dp2_tp2_embed_{word}": [*LAYOUTS["dp2_tp2"], f"--model.hf_tp_plan=embed_in={word},{NEOX_BLOCKS}"]
                 for word in ("embedding_colwise", "replicate")})
+# Expert parallelism over 2 of the dp_shard ranks: each holds 4 of the 8 experts.
+LAYOUTS.update({f"{name}_ep2": [*LAYOUTS[name], "--parallelism.ep=2"] for name in ("fsdp4", "dp2_tp2", "pp2_dp2")})
 # Each architecture's layouts, if not the first three: GPT-2 has no TP plan, Granite
 # rescales its embeddings in forward (no pipeline), Qwen3 and Llama add only to TP.
 ONLY = {"gpt2": ["fsdp4"], "qwen3": ["dp2_tp2"], "granite": ["dp2_tp2"], "llama": ["dp2_tp2"],
-        "gpt_neox": list(LAYOUTS)}
+        "gpt_neox": [name for name in LAYOUTS if "ep2" not in name], "qwen3_moe": ["fsdp4_ep2", "dp2_tp2_ep2", "pp2_dp2_ep2"]}
+# Architectures that start from weights transformers saved (`initial_load_hf`), not meshtrain's init.
+FROM_SAVED = {"qwen3_moe"}
 RUNS = [(arch, layout) for arch in ARCHS for layout in ONLY.get(arch, ["fsdp4", "dp2_tp2", "pp2_dp2"])]
 # The debug config's stdlib bytes, short runs; clipping at 0.1 binds every step.
 TRAIN = ["--training.steps=4", "--training.seq_len=32", "--training.global_batch_size=8",
@@ -48,8 +55,18 @@ TRAIN = ["--training.steps=4", "--training.seq_len=32", "--training.global_batch
 
 
 def argv(folder, arch: str, layout: str, out) -> list[str]:
-    return ["--config", "hf_debug", f"--model.hf_config={folder / arch}", *TRAIN, *LAYOUTS[layout],
+    load = [f"--checkpoint.initial_load_hf={folder / arch}"] if arch in FROM_SAVED else []
+    return ["--config", "hf_debug", f"--model.hf_config={folder / arch}", *load, *TRAIN, *LAYOUTS[layout],
             f"--job.output_dir={out}", f"--job.name={arch}_{layout}"]
+
+
+def save_pretrained(folder, seed: int = 7) -> None:
+    """transformers' own model of FOLDER/config.json, initialized by transformers, saved
+    there as its save_pretrained writes it (fused experts: one tensor per expert)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +74,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_toml")
     for arch in ARCHS:
         write_config(root / arch, arch)
+    for arch in FROM_SAVED:
+        save_pretrained(root / arch)
     runs = {f"{a}_{l}": argv(root, a, l, root / "out") for a, l in RUNS}
     (root / "runs.json").write_text(json.dumps(runs))
     proc = torchrun("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=900)
@@ -92,6 +111,30 @@ def test_hf_model_from_toml_trains_like_plain_transformers(setup, oracles, arch,
         assert split.get(embedding) == {"embedding_colwise": "S(1)", "replicate": None}.get(word, "S(0)"), split
         tied = ARCHS[arch].get("tie_word_embeddings")  # tied: listed once, as the embedding
         assert split.get("lm_head.weight") == (None if tied else "S(0)"), split
+    if "ep2" in layout:  # each expert weight split by expert over ep, nothing else
+        experts = {f"model.layers.{i}.mlp.experts.{w}": "S(0)" for i in (1, 2) for w in ("gate_up_proj", "down_proj")}
+        if "pp2" in layout:  # rank 0's stage: blocks 0 and 1
+            experts = {name: p for name, p in experts.items() if ".layers.1." in name}
+        assert got["ep_sharded"] == experts, got["ep_sharded"]
+        over_tp = {name: p for name, p in got["tp_sharded"].items() if ".experts." in name}
+        assert set(over_tp.values()) <= {"R"}, over_tp  # whole on each tp rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,layout", [(a, l) for a, l in RUNS if "ep2" in l])
+def test_hf_moe_under_expert_parallelism_has_transformers_gradients(setup, oracles, arch, layout):
+    """The last step's gradient of every weight (clipped) against the unmodified class's,
+    within K of the reference's own rounding scale for that tensor (fp32 vs fp64)."""
+    _, results = setup
+    got, ref = results[f"{arch}_{layout}"]["grads"], oracles[arch]
+    assert set(got) == set(ref.fp32.grads), set(got) ^ set(ref.fp32.grads)
+    for name, want in ref.fp32.grads.items():
+        runs = (ref.fp32, ref.fp32_split, ref.fp64)
+        noise = max((a.grads[name] - b.grads[name]).abs().max().item() for a in runs for b in runs)
+        scale = want.abs().max().item()
+        assert (got[name] - want).abs().max().item() <= oracle.K * (noise + 4 * oracle.ULP * scale), (
+            f"{arch} {layout}: {name} gradient off by {(got[name] - want).abs().max().item():.3g} "
+            f"(rounding scale {noise:.3g})")
 
 
 EMBEDDING = {"gpt_neox": "gpt_neox.embed_in.weight"}

@@ -27,7 +27,7 @@ def oracle_for(*argv: str, with_unclipped: bool = False) -> oracle.Oracle:
 
     def make():
         if cfg.model.name == "hf":
-            return plain_transformers_model(shape, t.seed)
+            return plain_transformers_model(shape, t.seed, cfg.checkpoint.initial_load_hf)
         model = type(shape)(shape.cfg)
         model.init_weights(seed=t.seed)
         return model
@@ -46,16 +46,23 @@ def oracle_for(*argv: str, with_unclipped: bool = False) -> oracle.Oracle:
                              lr_at=lr_at)
 
 
-def plain_transformers_model(shape, seed: int):
+def plain_transformers_model(shape, seed: int, initial_load_hf: str = ""):
     """transformers' own class for a `[model] name = "hf"` model (not meshtrain's subclass),
-    on CPU, holding the initial weights meshtrain gives that seed."""
+    on CPU, holding the initial weights meshtrain gives that seed -- or, with
+    ``initial_load_hf``, loaded from that folder by transformers' own from_pretrained."""
     import copy
 
     from meshtrain.models.hf.model import causal_lm_class
 
+    cls = causal_lm_class(shape.cfg.hf)
+    if initial_load_hf:
+        # Mixtures of experts: transformers' own loop over the experts ("eager"), which runs in
+        # fp64 for the reference's fp64 run (its grouped_mm kernel does not). from_pretrained: eval().
+        plain = cls.from_pretrained(initial_load_hf, dtype=torch.float32, experts_implementation="eager").train()
+        assert type(plain) is cls and type(plain).forward is cls.forward
+        return plain
     ours = copy.deepcopy(shape)  # on meta: free
     ours.init_weights(seed=seed, device="cpu")
-    cls = causal_lm_class(shape.cfg.hf)
     plain = cls(cls.config_class.from_dict(shape.cfg.hf))
     assert type(plain) is cls and type(plain).forward is cls.forward
     plain.load_state_dict(ours.state_dict())  # strict: the same names, the same shapes

@@ -194,9 +194,9 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
                      gpus_per_node=gpus_per_node)
     if dims.cp > 1:
         _check_cp(dims, model, t.seq_len, p.sequence_parallel)
-    refusal = model.layout_refusal(tp=dims.tp, pp=dims.pp) if hasattr(model, "layout_refusal") else None
+    refusal = model.layout_refusal(tp=dims.tp, pp=dims.pp, ep=dims.ep) if hasattr(model, "layout_refusal") else None
     if refusal:
-        raise LayoutError(f"[parallelism] tp = {dims.tp}, pp = {dims.pp}: {refusal}")
+        raise LayoutError(f"[parallelism] tp = {dims.tp}, pp = {dims.pp}, ep = {dims.ep}: {refusal}")
     if dims.tp > 1:  # a plan naming modules that are not there, or that it cannot split: now, not after start-up
         plan = model.tp_plan(sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
         try:

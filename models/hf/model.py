@@ -18,6 +18,7 @@ between blocks (the norms run unsplit; attention and MLP split by heads and widt
 from __future__ import annotations
 
 import copy
+import math
 from collections import OrderedDict
 
 import torch
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from meshtrain.models.common import fsdp_units, vocab_parallel_ends
 from meshtrain.models.hf.config import HFConfig, HFModelError, config_path, read_hf_config
 from meshtrain.models.hf.config_checks import config_problem, file_problem
+from meshtrain.models.hf.experts import RoutedExperts, plan_addresses, route_experts_
 from meshtrain.models.hf.tp_styles import STYLES, refusal, translate
 from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
 from meshtrain.parallel.lora import init_adapters_
@@ -145,11 +147,18 @@ class HFModel:
         self._mt_embed, self._mt_norm = _ends(base, getattr(config, "base_model_pp_plan", None) or {},
                                               self._mt_layers, self._mt_embed_path)
         plan = tp_plan if tp_plan is not None else dict(getattr(config, "base_model_tp_plan", None) or {})
-        self._mt_tp_words = plan
+        # Routed experts in transformers' fused layout run as meshtrain's (experts.py): whole
+        # on every TP rank -- each routes the same tokens -- and split by expert parallelism.
+        routed, self._mt_unknown_experts = route_experts_(self)
+        self._mt_n_experts = next((m.gate_up_proj.shape[0] for m in routed.values()), 0)
+        paths = [name.removeprefix(f"{self._mt_base}.") for name in routed]
+        self._mt_tp_words = {key: word for key, word in plan.items() if not plan_addresses(key, paths)}
 
-    def layout_refusal(self, *, tp: int, pp: int) -> str | None:
+    def layout_refusal(self, *, tp: int, pp: int, ep: int = 1) -> str | None:
         """Why this model cannot take these degrees (checked before any process group), or None."""
         name = type(self).__name__
+        if ep > 1 and self._mt_unknown_experts:
+            return self._unknown_experts_refusal(ep)
         if tp > 1:
             if not self._mt_tp_words:
                 return (f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan): "
@@ -216,6 +225,33 @@ class HFModel:
     def _head(self) -> nn.Module | None:
         return getattr(self, HEAD, None)
 
+    def expert_modules(self) -> dict[str, nn.Module]:
+        """The routed experts of each MoE layer on this part, by module name (experts.py's
+        `RoutedExperts`: forward(x_sorted, tokens_per_expert), weights [n_experts, ...])."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, RoutedExperts)}
+
+    def ep_divisible(self) -> dict[str, int] | None:
+        """What expert parallelism splits: the routed experts; None when there are none it can
+        split (a dense model; experts in another layout, which layout_refusal names)."""
+        return {"routed experts": self._mt_n_experts} if self._mt_n_experts else None
+
+    def active_parameters(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (what MFU
+        counts, training/metrics.py); ``num_experts_per_tok`` of the config's experts."""
+        total = sum(p.numel() for p in self.parameters())
+        k = getattr(self.config.get_text_config(), "num_experts_per_tok", None)
+        if not k:
+            return total
+        per_expert = lambda m: sum(math.prod(p.shape[1:]) for p in (m.gate_up_proj, m.down_proj))
+        return total - sum(per_expert(m) * (m.gate_up_proj.shape[0] - k) for m in self.expert_modules().values())
+
+    def _unknown_experts_refusal(self, ep: int) -> str:
+        found = self._mt_unknown_experts
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        return (f"{type(self).__name__}'s experts are not in the layout meshtrain splits over ep={ep} (transformers' fused "
+                f"experts: gate_up_proj [experts, 2 x width, dim] and down_proj [experts, dim, width], no bias, "
+                f"not transposed): {found[0]}{more}; use ep = 1 (FSDP shards them whole)")
+
     def tp_divisible(self) -> dict[str, int]:
         c = self.cfg
         return {"heads": c.n_heads, "kv heads": c.n_kv_heads, "FFN width": c.ffn_hidden, "vocab size": c.vocab_size}
@@ -235,9 +271,9 @@ class HFModel:
                 continue  # a pipeline stage without blocks
             if key == self._mt_embed_path and not has_embedding:
                 continue  # a pipeline stage after the first
-            style = translate(word)
-            if style is not None:
-                plan[f"{self._mt_base}.{key}"] = style
+            if translate(word) is not None:
+                for each in self._blocks_holding(key):
+                    plan[f"{self._mt_base}.{each}"] = translate(word)  # a style per key: torch's keep state
         if self._mt_embed is None:  # the ends stay whole (FSDP shards them); the logits are plain
             return plan
         embedding, output = vocab_parallel_ends(sequence_parallel=False, loss_parallel=loss_parallel)
@@ -246,6 +282,17 @@ class HFModel:
         if self._head() is not None:
             plan[HEAD] = output
         return plan
+
+    def _blocks_holding(self, key: str) -> list[str]:
+        """``key`` ("layers.*.mlp.gate_proj"), or where only some blocks hold that module (a
+        mixture of experts' dense blocks), one key per block that does ("layers.0.mlp.gate_proj"):
+        torch warns of a pattern that misses in some blocks."""
+        parts = key.split(".")
+        if len(parts) < 3 or parts[0] != self._mt_layers or parts[1] != "*" or "*" in parts[2:]:
+            return [key]
+        rest = ".".join(parts[2:])
+        holding = [i for i, block in self._layers()._modules.items() if _holds(block, rest)]
+        return [key] if len(holding) == len(self._layers()) else [f"{parts[0]}.{i}.{rest}" for i in holding]
 
     def _tied_split_refusal(self) -> str | None:
         """A tied embedding and output layer are one weight, so TP must split them alike:

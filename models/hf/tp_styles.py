@@ -54,19 +54,20 @@ _EXPERTS_WHOLE = "leaving the experts whole (FSDP still shards them)"
 REFUSED: dict[str, tuple[str, str]] = {
     "moe_tp_experts": (
         "it splits a mixture-of-experts layer's experts (each rank runs its slice of every expert, "
-        "the outputs summed); expert sharding is expert parallelism, which meshtrain does not have yet",
+        "the outputs summed); meshtrain splits experts by expert parallelism instead ([parallelism] ep), "
+        "and drops these entries itself for experts in transformers' fused layout",
         _EXPERTS_WHOLE),
     "moe_identity_expert": (
         "it divides an identity expert's input by the TP size so that moe_tp_experts' sum counts it "
-        "once; it only exists alongside moe_tp_experts (expert parallelism, not in meshtrain yet)",
+        "once; it only exists alongside moe_tp_experts (meshtrain splits experts by [parallelism] ep instead)",
         _EXPERTS_WHOLE),
     "packed_colwise": (
         "it splits the experts' stacked, fused gate_up weight (a bare 3-D parameter, each rank keeping "
-        "its slice of gate and of up): expert weights, which meshtrain does not split (expert parallelism)",
+        "its slice of gate and of up): expert weights, which meshtrain splits by expert ([parallelism] ep) instead",
         _EXPERTS_WHOLE),
     "packed_rowwise": (
         "it splits the experts' stacked, fused weights along their input features: expert weights, "
-        "which meshtrain does not split (expert parallelism)",
+        "which meshtrain splits by expert ([parallelism] ep) instead",
         _EXPERTS_WHOLE),
     "all_reduce": (
         "it sums a module's output over the TP ranks, for modules that compute with bare parameters "

@@ -13,12 +13,14 @@ from typing import Iterable
 import torch
 
 from meshtrain.models.hf.config import HFConfig
+from meshtrain.models.hf.experts import StackedExperts
 from meshtrain.models.safetensors_files import fill_from_safetensors_, write_safetensors
 from meshtrain.parallel.init import materialize
 
 # What must agree between the model and the folder beyond tensor shapes (checked one by one).
 _SAME = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-         "rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "layer_norm_eps", "tie_word_embeddings")
+         "rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "layer_norm_eps", "tie_word_embeddings",
+         "num_experts_per_tok", "norm_topk_prob")
 
 
 @torch.no_grad()
@@ -34,9 +36,10 @@ def load_hf_weights_(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
         raise ValueError("the Hugging Face folder does not hold this model (model vs folder): " + "; ".join(differ))
     materialize(model)
     aliases = {alias: names[0] for names in model.tied_weights() for alias in names[1:]}
-    # A tied copy is stored once, under the embedding's name.
+    # A tied copy is stored once, under the embedding's name; fused experts as transformers
+    # saves them, one tensor per expert and projection (experts.py's StackedExperts).
     fill_from_safetensors_(model, hf_dir, lambda name, files: aliases[name] if name not in files and name in aliases
-                           else name)
+                           else name, assembled=StackedExperts.find)
     model.init_buffers()
 
 

@@ -42,14 +42,15 @@ def full_weights(modules, pp_mesh, drop: set[str], grads: bool = False) -> dict[
     return {k: v for d in everyone for k, v in d.items()}
 
 
-def tp_placements(modules) -> dict[str, str]:
-    """Each parameter split over tp, by name: its placement there ("Shard(dim=0)")."""
+def placements_over(modules, dim: str = "tp") -> dict[str, str]:
+    """Each parameter split over the mesh dimension ``dim``, by name: its placement there
+    ("Shard(dim=0)")."""
     found = {}
     for module in modules:
         for name, p in module.named_parameters():
             names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
-            if "tp" in names:
-                found[canonical_name(name)] = str(p.placements[names.index("tp")])
+            if dim in names:
+                found[canonical_name(name)] = str(p.placements[names.index(dim)])
     return dict(sorted(found.items()))
 
 
@@ -85,7 +86,8 @@ def run(argv: list[str]) -> dict:
     drop = {alias for names in model.tied_weights() for alias in names[1:]}
     result["final"] = full_weights(parts.modules, submesh(mesh, "pp"), drop)
     result["grads"] = full_weights(parts.modules, submesh(mesh, "pp"), drop, grads=True)  # the last step's
-    result["tp_sharded"] = tp_placements(parts.modules)
+    result["tp_sharded"] = placements_over(parts.modules, "tp")
+    result["ep_sharded"] = placements_over(parts.modules, "ep")
     return result
 
 
