@@ -82,7 +82,6 @@ def test_fault_tolerance_without_torchft_installed_says_how_to_install_it(tmp_pa
 
 
 def test_no_lighthouse_at_the_address_is_said_before_any_process_group(tmp_path):
-    pytest.importorskip("torchft")
     from meshtrain.training import recipe
 
     address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -110,7 +109,6 @@ def group(out: Path, port: int, replica: int, kill_step: int, lighthouse: str) -
 def killed_and_restarted(tmp_path_factory):
     """Group 0 trains throughout; group 1 is killed before KILL_STEP and restarted by
     torchrun. Returns each group's records (one dict per committed step)."""
-    pytest.importorskip("torchft")
     out = tmp_path_factory.mktemp("ft")
     port = free_port()
     lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--quorum_tick_ms", "100",

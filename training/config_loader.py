@@ -253,16 +253,13 @@ def _check_export_hf(cfg: JobConfig, sources) -> None:
 
 
 def _check_fault_tolerance(cfg: JobConfig, sources) -> None:
-    """[fault_tolerance]: torchft installed, a replica id among the groups, a lighthouse
-    address torchft can dial, and a layout whose replicas are the groups (FSDP inside each).
+    """[fault_tolerance]: a replica id among the groups, a lighthouse address torchft can
+    dial, a layout whose replicas are the groups (FSDP inside each), then torchft installed.
     Whether the lighthouse answers is asked at start-up (training/recipe.py)."""
     ft = cfg.fault_tolerance
     if not ft.enable:
         return
     where = lambda key: _where("fault_tolerance", key, getattr(ft, key), sources.get(("fault_tolerance", key)))
-    if importlib.util.find_spec("torchft") is None:
-        raise ConfigError(f'{where("enable")} needs torchft, which is not installed: pip install "meshtrain[ft]" '
-                          "(or pip install torchft)")
     if ft.replica_id >= ft.group_size:
         raise ConfigError(f"{where('replica_id')} must be below [fault_tolerance] group_size = {ft.group_size} "
                           f"(the groups are numbered 0 .. {ft.group_size - 1})")
@@ -275,20 +272,22 @@ def _check_fault_tolerance(cfg: JobConfig, sources) -> None:
         raise ConfigError(f"{where('lighthouse')} is not an address torchft can dial: use http://HOST:PORT "
                           "(torchft_lighthouse listens on port 29510 unless told --bind)")
     p = cfg.parallelism
-    refusals = [("pp", p.pp > 1, "the replica groups average FSDP's gradients, which a pipeline's stages "
-                 "hold apart"),
+    refusals = [("pp", p.pp > 1, "a replica group is FSDP (and TP) inside, not a pipeline: its stages' "
+                 "updates would each need the quorum's commit; use pp = 1"),
                 ("dp_replicate", p.dp_replicate > 1, "the replica groups are the replicas: use dp_replicate = 1 "
                  "and more groups"),
                 ("ep", p.ep > 1, "experts split over ranks are reduced by their own FSDP groups, which the "
                  "replica groups do not average")]
+    layout = lambda key: _where("parallelism", key, getattr(p, key), sources.get(("parallelism", key)))
     for key, refused, why in refusals:
         if refused:
-            raise ConfigError(f"{where('enable')} with {_where('parallelism', key, getattr(p, key), sources.get(('parallelism', key)))}: "
-                              f"{why}")
+            raise ConfigError(f"{where('enable')} with {layout(key)}: {why}")
     if p.sharding_strategy not in ("auto", "FULL_SHARD", "SHARD_GRAD_OP"):
-        raise ConfigError(f"{where('enable')} with "
-                          f"{_where('parallelism', 'sharding_strategy', p.sharding_strategy, sources.get(('parallelism', 'sharding_strategy')))}: "
-                          'each replica group shards with FSDP; use "FULL_SHARD", "SHARD_GRAD_OP" or "auto"')
+        raise ConfigError(f"{where('enable')} with {layout('sharding_strategy')}: each replica group shards with "
+                          'FSDP; use "FULL_SHARD", "SHARD_GRAD_OP" or "auto"')
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f'{where("enable")} needs torchft, which is not installed: pip install "meshtrain[ft]" '
+                          "(or pip install torchft)")
 
 
 def _check_optimizer(cfg: JobConfig, sources) -> None:
