@@ -25,6 +25,7 @@ groups' gradients are averaged: the global token mean when every group counts as
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -65,16 +66,18 @@ class FaultTolerance:
         timeout = timedelta(seconds=comm.train_timeout_seconds)
         backend = torchft.ProcessGroupNCCL if torch.cuda.is_available() and cfg.job.device != "cpu" \
             else torchft.ProcessGroupGloo
-        make = lambda: torchft.Manager(  # noqa: E731
-            pg=backend(timeout=timeout), min_replica_size=1, load_state_dict=self._load, state_dict=self._state,
-            # Synchronous quorum: a group that heals does so before its forward, so it takes part
-            # in the same step as everyone and the loop can read the step number the quorum agreed.
-            use_async_quorum=False, replica_id=f"meshtrain_{ft.replica_id}", lighthouse_addr=ft.lighthouse,
-            rank=dist.get_rank(), world_size=dist.get_world_size(), timeout=timeout,
-            quorum_timeout=timedelta(seconds=comm.init_timeout_seconds),
-            connect_timeout=timedelta(seconds=comm.init_timeout_seconds),
-            # Every group draws the same initial weights from [training] seed: nothing to send.
-            init_sync=False)
+
+        def make():
+            return torchft.Manager(
+                pg=backend(timeout=timeout), min_replica_size=1, load_state_dict=self._load, state_dict=self._state,
+                # Synchronous quorum: a group that heals does so before its forward, so it takes part
+                # in the same step as everyone and the loop can read the step number the quorum agreed.
+                use_async_quorum=False, replica_id=f"meshtrain_{ft.replica_id}", lighthouse_addr=ft.lighthouse,
+                rank=dist.get_rank(), world_size=dist.get_world_size(), timeout=timeout,
+                quorum_timeout=timedelta(seconds=comm.init_timeout_seconds),
+                connect_timeout=timedelta(seconds=comm.init_timeout_seconds),
+                # Every group draws the same initial weights from [training] seed: nothing to send.
+                init_sync=False)
         # The group's rank 0 serves the manager and writes its address into torchrun's store;
         # the others read it only once it is there. (After a torchrun restart the store still
         # holds the dead attempt's address, which a rank reading early would connect to.)
@@ -101,7 +104,8 @@ class FaultTolerance:
 
     def steps(self, first: int, last: int):
         """The step numbers to run, from the quorum: usually first, first+1, ...; a step that
-        did not commit comes again; a group that healed jumps to its peers' step."""
+        did not commit comes again; a group that healed jumps to its peers' step. (The
+        manager counts from ``first``: it was told the resumed step in __init__.)"""
         while True:
             self.manager.start_quorum()  # healing, when behind, happens here (synchronous quorum)
             self._commit = None
@@ -119,7 +123,10 @@ class FaultTolerance:
         return self._commit
 
     def committed(self) -> bool:
-        return self.should_commit()
+        if not self.should_commit() and dist.get_rank() == 0:
+            print(f"meshtrain: step {self.manager.current_step() + 1} did not commit (a replica group failed "
+                  "during it); the groups left take it again", file=sys.stderr, flush=True)
+        return self._commit
 
     def replica_groups(self) -> int:
         """How many replica groups took part in the step."""
