@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
              trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
 
     stop, skipped, stopping, began = GracefulStop(), 0, None, time.perf_counter()
-    n, loss = start_step, math.nan  # as they stay when a rejoining replica group finds the run done
+    n, loss, started = start_step, math.nan, False  # n and loss stay so if a rejoining group finds the run done
     hang = hang_report.watch(run_dir, mesh, cfg.comm.init_timeout_seconds)  # a stall explains itself in hang/
     try:
         for n in ft.steps(start_step + 1, t.steps):  # with [fault_tolerance], as the live replica groups agree
@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the weights were left alone
                     skipped = skip_or_stop(n, loss, grad_norm, skipped, checkpoint, data, t)
                 scheduler.step()
-                if n == start_step + 1:  # start-up is over: from now on a long wait means a dead rank
+                if not started:  # start-up is over: from now on a long wait means a dead rank
                     set_collective_timeout(cfg.comm.train_timeout_seconds)
+                    started = True  # (a replica group that rejoined began past start_step + 1)
                 if metrics.should_log(n):
                     # Per device, the convention published throughput numbers use.
                     tps = tokens_per_step / (time.perf_counter() - start) / dist.get_world_size()
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     except RuntimeError as err:
         if is_collective_failure(err):
+            ft.abandon()  # with [fault_tolerance]: the other replica groups go on without this one, now
             raise CollectiveFailure(describe_collective_failure(err, cfg.comm.train_timeout_seconds)) from err
         raise
     finally:

@@ -52,6 +52,9 @@ class NoFaultTolerance:
     def close(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        pass
+
 
 class FaultTolerance:
     """One torchft Manager for this replica group; see the module docstring."""
@@ -67,9 +70,11 @@ class FaultTolerance:
         backend = torchft.ProcessGroupNCCL if torch.cuda.is_available() and cfg.job.device != "cpu" \
             else torchft.ProcessGroupGloo
 
+        self._pg = backend(timeout=timeout)  # reconfigured by the manager at each new quorum
+
         def make():
             return torchft.Manager(
-                pg=backend(timeout=timeout), min_replica_size=1, load_state_dict=self._load, state_dict=self._state,
+                pg=self._pg, min_replica_size=1, load_state_dict=self._load, state_dict=self._state,
                 # Synchronous quorum: a group that heals does so before its forward, so it takes part
                 # in the same step as everyone and the loop can read the step number the quorum agreed.
                 use_async_quorum=False, replica_id=f"meshtrain_{ft.replica_id}", lighthouse_addr=ft.lighthouse,
@@ -140,6 +145,13 @@ class FaultTolerance:
         return t.item()
 
     def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    def abandon(self) -> None:
+        """This group failed (a collective inside it): close its connections to the other
+        groups and stop its heartbeat now, so they go on without it at once -- not only once
+        this process exits, after the hang report has waited seconds for its peers' records."""
+        self._pg.abort()
         self.manager.shutdown(wait=False)
 
     # ---------------------------------------------------------------- healing: a live peer's state
