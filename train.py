@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from meshtrain.parallel import mesh_coordinate, shutdown_distributed
+    from meshtrain.parallel import shutdown_distributed
     from meshtrain.training import hang_report, recipe
     from meshtrain.training.console import announce, say_done, say_nothing_to_do, say_stopped
     from meshtrain.training.data import build_dataloader, build_tokenizer
     from meshtrain.training.evaluate import build_validation
+    from meshtrain.training.fault_tolerance import open_fault_tolerance
     from meshtrain.training.faults import (CollectiveFailure, GracefulStop, describe_collective_failure,
                                  is_collective_failure, set_collective_timeout, skip_or_stop, step_phase)
     from meshtrain.training.metrics import (MetricsLogger, device_peak_flops, memory_stats, model_flops_per_token,
@@ -71,14 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     layout = recipe.plan_layout(cfg, model)                  # every check, before any process group
     mesh = layout.build_mesh(recipe.device_type(cfg), timeout_seconds=cfg.comm.init_timeout_seconds)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    run_dir = Path(cfg.job.output_dir) / cfg.job.name
+    run_dir = recipe.run_folder(cfg)                         # under [fault_tolerance], one per replica group
     recipe.claim_run_dir(run_dir)                            # one run per folder
     flops, n_params = model_flops_per_token(model, t.seq_len), sum(p.numel() for p in model.parameters())
     parts = recipe.build_parts(cfg, layout, mesh, model)     # this rank's stages: TP, AC, compile, FSDP
     for part in parts.modules:
         part.init_weights(seed=t.seed, device=device)        # each rank fills only its shards
 
-    dp_rank, dp_size = mesh_coordinate(mesh, "dp")
+    dp_rank, dp_size = recipe.data_shard(cfg, mesh)          # under [fault_tolerance], of every replica group
     data, _ = build_dataloader(t, dp_rank=dp_rank, dp_size=dp_size, held_out=cfg.validation.split)
     validation = build_validation(cfg, layout, parts, device)  # None unless [validation] enable
     optimizer, scheduler = recipe.build_optimizer(cfg, parts.modules)
@@ -91,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     if start_step == 0:
         recipe.load_initial_weights(cfg, parts)              # [checkpoint] initial_load_hf, [lora] initial_load_adapter
     hf_export = recipe.open_hf_export(cfg, parts, run_dir)  # None unless [checkpoint] export_hf_interval
-    step = recipe.build_step(cfg, layout, parts, optimizer, device)
+    # Last before the loop: from here on the lighthouse counts this group in (a no-op without [fault_tolerance]).
+    ft = open_fault_tolerance(cfg, parts.modules, optimizer, scheduler, start_step)
+    step = recipe.build_step(cfg, layout, parts, optimizer, device, ft)
     if start_step == 0 and dist.get_rank() == 0:
         set_aside_earlier_run(run_dir / "tb")                # a new run gets its own TensorBoard curve
     metrics = MetricsLogger(run_dir / "tb", rank=dist.get_rank(), log_freq=cfg.metrics.log_freq,
@@ -99,28 +102,34 @@ def main(argv: list[str] | None = None) -> None:
                             config=config_to_dict(cfg), config_text=config_to_toml(cfg),
                             purge_step=start_step + 1 if start_step else None, run_name=cfg.job.name)
     profiler = Profiler(cfg.profiling, run_dir, dist.get_rank(), device)  # [profiling]'s window, if enabled
-    peak, tokens_per_step = device_peak_flops(device), t.global_batch_size * t.seq_len
-    announce(n_params, layout, layout.grad_accum(t.global_batch_size), mesh, start_step, run_dir,
+    peak, tokens_per_step = device_peak_flops(device), recipe.group_batch(cfg) * t.seq_len
+    announce(n_params, layout, layout.grad_accum(recipe.group_batch(cfg)), mesh, start_step, run_dir,
              trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
 
     stop, skipped, stopping, began = GracefulStop(), 0, None, time.perf_counter()
+    n, loss, started = start_step, math.nan, False  # n and loss stay so if a rejoining group finds the run done
     hang = hang_report.watch(run_dir, mesh, cfg.comm.init_timeout_seconds)  # a stall explains itself in hang/
     try:
-        for n in range(start_step + 1, t.steps + 1):
+        for n in ft.steps(start_step + 1, t.steps):  # with [fault_tolerance], as the live replica groups agree
             with profiler.step(n):  # a no-op outside [profiling]'s window
                 start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
                 loss, grad_norm = step(data.batch(n - 1), n)
+                if not ft.committed():  # a replica group was lost during the step: the same step, by those left
+                    continue
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the weights were left alone
                     skipped = skip_or_stop(n, loss, grad_norm, skipped, checkpoint, data, t)
                 scheduler.step()
-                if n == start_step + 1:  # start-up is over: from now on a long wait means a dead rank
+                if not started:  # start-up is over: from now on a long wait means a dead rank
                     set_collective_timeout(cfg.comm.train_timeout_seconds)
+                    started = True  # (a replica group that rejoined began past start_step + 1)
                 if metrics.should_log(n):
                     # Per device, the convention published throughput numbers use.
                     tps = tokens_per_step / (time.perf_counter() - start) / dist.get_world_size()
                     scalars = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps}
                     if peak:
                         scalars["mfu"] = 100 * tps * flops / peak
+                    if ft.enabled:
+                        scalars["replica_groups"] = ft.replica_groups()
                     metrics.log(n, {**scalars, **recipe.model_metrics(parts), **memory_stats(device)})
                 if validation is not None and validation.due(n, last=n == t.steps):
                     metrics.log(n, validation.run(n))  # forward only, on held-out data: training is untouched
@@ -141,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     except RuntimeError as err:
         if is_collective_failure(err):
+            ft.abandon()  # with [fault_tolerance]: the other replica groups go on without this one, now
             raise CollectiveFailure(describe_collective_failure(err, cfg.comm.train_timeout_seconds)) from err
         raise
     finally:
@@ -148,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         hang.stop()
         startup_signals.training_over()
         profiler.close(n)
+        ft.close()
     if checkpoint is not None:
         checkpoint.close()
     if hf_export is not None:

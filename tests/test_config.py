@@ -74,17 +74,23 @@ def test_every_section_round_trips_through_toml(tmp_path):
     # too): [optimizer] round-trips alone.
     muon = dataclasses.replace(base, optimizer=cfg.optimizer)
     cfg.optimizer = base.optimizer
+    # [fault_tolerance] enable excludes dp_replicate > 1 (changed too), and its lighthouse must
+    # be an address: it round-trips alone, with one.
+    ft = dataclasses.replace(base, fault_tolerance=dataclasses.replace(
+        cfg.fault_tolerance, lighthouse="http://lighthouse.example:29511"))
+    cfg.fault_tolerance = base.fault_tolerance
     validate(cfg)
     validate(moe)
     validate(muon)
-    own = {"moe": moe, "optimizer": muon}
+    validate(ft)
+    own = {"moe": moe, "optimizer": muon, "fault_tolerance": ft}
     for name in SECTIONS:  # every field is off its default, unless it has only one choice
         for f in dataclasses.fields(getattr(own.get(name, cfg), name)):
             if (name, f.name) in (("validation", "split"), ("parallelism", "pp")):
                 continue
             if "choices" not in f.metadata or len(choices(f.metadata)) > 1:
                 assert getattr(getattr(own.get(name, cfg), name), f.name) != f.default, (name, f.name)
-    for each in (cfg, moe, muon):
+    for each in (cfg, moe, muon, ft):
         path = write(tmp_path, "all.toml", config_to_toml(each))
         assert load_config(path) == each
         assert tomllib.loads(config_to_toml(each)) == config_to_dict(each)

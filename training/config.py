@@ -355,6 +355,20 @@ class CommSection:
 
 
 @dataclass
+class FaultToleranceSection:
+    enable: bool = opt(False, "replica groups that drop out and rejoin without stopping the others, with torchft "
+                       '(pip install "meshtrain[ft]"): each group is a torchrun job of its own, FSDP inside it, '
+                       "its gradients averaged over the live groups each step; a lighthouse must be running "
+                       "(docs/reliability.md)")
+    replica_id: int = opt(0, "this replica group's number, 0 .. group_size - 1 (it takes that share of "
+                          "every global batch)", min=0, max=100_000)
+    group_size: int = opt(1, "how many replica groups the job has: the global batch is split over "
+                          "group_size x the data-parallel ranks of a group", min=1, max=100_000)
+    lighthouse: str = opt("http://localhost:29510", "the torchft lighthouse's address, http://HOST:PORT "
+                          "(started by torchft_lighthouse --min_replicas 1, docs/reliability.md)")
+
+
+@dataclass
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -372,6 +386,7 @@ class JobConfig:
     lora: LoraSection = field(default_factory=LoraSection)
     comm: CommSection = field(default_factory=CommSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
+    fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(JobConfig)}

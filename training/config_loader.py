@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import urllib.parse
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -193,6 +194,7 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         raise ConfigError(f"{where} is after the last step ([training] steps = {t.steps}): nothing would be "
                           f"profiled. Use a start_step from 1 to {t.steps}")
     _check_export_hf(cfg, sources)
+    _check_fault_tolerance(cfg, sources)
     lo = cfg.lora
     if lo.initial_load_adapter and not lo.enable:
         where = _where("lora", "initial_load_adapter", lo.initial_load_adapter,
@@ -248,6 +250,44 @@ def _check_export_hf(cfg: JobConfig, sources) -> None:
     if importlib.util.find_spec("safetensors") is None:
         raise ConfigError(f'{where} writes safetensors, which is not installed: pip install "meshtrain[hf]" '
                           "(or pip install safetensors)")
+
+
+def _check_fault_tolerance(cfg: JobConfig, sources) -> None:
+    """[fault_tolerance]: a replica id among the groups, a lighthouse address torchft can
+    dial, a layout whose replicas are the groups (FSDP inside each), then torchft installed.
+    Whether the lighthouse answers is asked at start-up (training/recipe.py)."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    where = lambda key: _where("fault_tolerance", key, getattr(ft, key), sources.get(("fault_tolerance", key)))
+    if ft.replica_id >= ft.group_size:
+        raise ConfigError(f"{where('replica_id')} must be below [fault_tolerance] group_size = {ft.group_size} "
+                          f"(the groups are numbered 0 .. {ft.group_size - 1})")
+    url = urllib.parse.urlsplit(ft.lighthouse)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme not in ("http", "https") or not url.hostname or port is None:
+        raise ConfigError(f"{where('lighthouse')} is not an address torchft can dial: use http://HOST:PORT "
+                          "(torchft_lighthouse listens on port 29510 unless told --bind)")
+    p = cfg.parallelism
+    refusals = [("pp", p.pp > 1, "a replica group is FSDP (and TP) inside, not a pipeline: its stages' "
+                 "updates would each need the quorum's commit; use pp = 1"),
+                ("dp_replicate", p.dp_replicate > 1, "the replica groups are the replicas: use dp_replicate = 1 "
+                 "and more groups"),
+                ("ep", p.ep > 1, "experts split over ranks are reduced by their own FSDP groups, which the "
+                 "replica groups do not average")]
+    layout = lambda key: _where("parallelism", key, getattr(p, key), sources.get(("parallelism", key)))
+    for key, refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{where('enable')} with {layout(key)}: {why}")
+    if p.sharding_strategy not in ("auto", "FULL_SHARD", "SHARD_GRAD_OP"):
+        raise ConfigError(f"{where('enable')} with {layout('sharding_strategy')}: each replica group shards with "
+                          'FSDP; use "FULL_SHARD", "SHARD_GRAD_OP" or "auto"')
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f'{where("enable")} needs torchft, which is not installed: pip install "meshtrain[ft]" '
+                          "(or pip install torchft)")
 
 
 def _check_optimizer(cfg: JobConfig, sources) -> None:

@@ -64,7 +64,8 @@ def set_collective_timeout(seconds: float) -> None:
     """Apply ``seconds`` to every process group this rank is in (the mesh's too), and to
     the hang watch's "no progress" (training/hang_report.py) if one runs."""
     for group in list(dist.distributed_c10d._world.pg_map):
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        if not str(dist.get_backend(group)).startswith("torchft"):  # its replica group keeps its own timeout
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
     if hang_report.current() is not None:
         hang_report.current().timeout = seconds
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from meshtrain.models import registry
 from meshtrain.parallel import LayoutError, ParallelDims, mixed_precision_policy, parallelize, submesh
@@ -165,6 +166,30 @@ def build_hf_model(cfg: JobConfig, tokenizer_vocab: int) -> nn.Module:
     return model
 
 
+def run_folder(cfg: JobConfig) -> Path:
+    """``{output_dir}/{name}``; under [fault_tolerance] each replica group writes its own
+    ``replica_{id}`` folder inside it (its lock, TensorBoard, checkpoints)."""
+    folder = Path(cfg.job.output_dir) / cfg.job.name
+    return folder / f"replica_{cfg.fault_tolerance.replica_id}" if cfg.fault_tolerance.enable else folder
+
+
+def group_batch(cfg: JobConfig) -> int:
+    """The sequences one step trains on in this replica group: the global batch, or under
+    [fault_tolerance] its share of it."""
+    ft = cfg.fault_tolerance
+    return cfg.training.global_batch_size // ft.group_size if ft.enable else cfg.training.global_batch_size
+
+
+def data_shard(cfg: JobConfig, mesh) -> tuple[int, int]:
+    """(this rank's share of every global batch, how many shares): its data-parallel rank;
+    under [fault_tolerance] replica group r's ranks take the r-th group of shares."""
+    from meshtrain.parallel import mesh_coordinate
+
+    dp_rank, dp_size = mesh_coordinate(mesh, "dp")
+    ft = cfg.fault_tolerance
+    return (ft.replica_id * dp_size + dp_rank, ft.group_size * dp_size) if ft.enable else (dp_rank, dp_size)
+
+
 def _launch_hint(p) -> str:
     """The next step after a world that does not fit the [parallelism] degrees."""
     fixed = p.pp * p.dp_replicate * p.cp * p.tp
@@ -210,10 +235,13 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
     problems = dims.ep_problems(model.ep_divisible() if hasattr(model, "expert_modules") else None, strategy)
     if problems:
         raise LayoutError(f"[parallelism] ep = {dims.ep}: " + "; ".join(problems))
-    local = t.local_batch_size or t.global_batch_size // dims.dp
-    if local < 1 or t.global_batch_size % (dims.dp * local):  # local is 0 when global < dp
+    groups = cfg.fault_tolerance.group_size if cfg.fault_tolerance.enable else 1  # each takes its share
+    local = t.local_batch_size or t.global_batch_size // (dims.dp * groups)
+    if local < 1 or t.global_batch_size % (dims.dp * groups * local):  # local is 0 when global < dp
         per_step = (f"dp * local_batch_size = {dims.dp_replicate}*{dims.dp_shard} * {local} = {dims.dp * local}"
                     if t.local_batch_size else f"dp = {dims.dp_replicate}*{dims.dp_shard} = {dims.dp}")
+        if groups > 1:
+            per_step = f"[fault_tolerance] group_size {groups} * {per_step}"
         raise LayoutError(f"[training] global_batch_size = {t.global_batch_size} must be a multiple of "
                           f"{per_step} (dp = dp_replicate*dp_shard)")
     if this_machine:
@@ -250,7 +278,9 @@ def _check_cp(dims: ParallelDims, model: nn.Module, seq_len: int, sequence_paral
 def _check_inputs(cfg: JobConfig) -> None:
     """Files and folders the config names, before anything is started."""
     t, hf = cfg.training, cfg.checkpoint.initial_load_hf
-    run_dir = Path(cfg.job.output_dir) / cfg.job.name
+    run_dir = run_folder(cfg)
+    if cfg.fault_tolerance.enable:
+        check_lighthouse(cfg.fault_tolerance.lighthouse)
     folders = [(run_dir / "tb", "[job] output_dir / name"), (run_dir / cfg.checkpoint.folder, "[checkpoint] folder")]
     if cfg.checkpoint.export_hf_interval:
         folders.append((run_dir / "hf", "[checkpoint] export_hf_interval"))
@@ -316,6 +346,21 @@ def _check_inputs(cfg: JobConfig) -> None:
             raise ConfigError(f"[checkpoint] initial_load_hf: {err}") from None
 
 
+def check_lighthouse(address: str, timeout: float = 5.0) -> None:
+    """[fault_tolerance] lighthouse answers: a TCP connection to it opens (torchft's own
+    failure to reach it is a Rust error, long after start-up)."""
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(address)
+    try:
+        socket.create_connection((url.hostname, url.port), timeout=timeout).close()
+    except OSError as err:
+        raise ConfigError(f'[fault_tolerance] lighthouse = "{address}": no lighthouse answers there '
+                          f"({err.strerror or err}); start one first (torchft_lighthouse --min_replicas 1 "
+                          f"--bind [::]:{url.port}, docs/reliability.md) or fix the address") from None
+
+
 def check_speed_options(cfg: JobConfig, dims: ParallelDims) -> None:
     """[compile] async_tp and [float8] need hardware and packages a machine may lack: say which."""
     dev = device_type(cfg)
@@ -365,6 +410,10 @@ def parallelize_part(part: nn.Module, mesh, cfg: JobConfig, layout: ParallelDims
     mixed = None
     if (t.mixed_precision_param, t.mixed_precision_reduce) != ("float32", "float32"):
         mixed = mixed_precision_policy(t.mixed_precision_param, t.mixed_precision_reduce)
+    if cfg.fault_tolerance.enable and mixed is None:
+        # FSDP even where the group has one rank: its all-reduce hook is what averages the
+        # gradients over the replica groups (training/fault_tolerance.py).
+        mixed = MixedPrecisionPolicy()
     if cfg.float8.enable:  # first: FSDP then shards the float8 layers' weights as usual
         apply_float8(part, skip=registry.get(cfg.model.name).high_precision, recipe=cfg.float8.recipe,
                      fsdp_float8_all_gather=cfg.float8.enable_fsdp_float8_all_gather)
@@ -385,11 +434,22 @@ def build_optimizer(cfg: JobConfig, modules: list[nn.Module]) -> tuple[Optimizer
     return optimizer, scheduler
 
 
-def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Optimizers, device: torch.device):
+def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Optimizers, device: torch.device,
+               ft=None):
     """``step(micro_batches, step_number) -> (loss, grad_norm)``: forward, backward, clip
     and update, with or without a pipeline schedule. A weight tied across pipeline stages
     (its copies start equal: init draws each under its source's name) gets its copies'
-    gradients summed every step."""
+    gradients summed every step. ``ft``: [fault_tolerance]'s (training/fault_tolerance.py):
+    the update waits for the quorum's commit, the loss is the mean over the replica groups."""
+    if ft is not None and ft.enabled:
+        from meshtrain.training.fault_tolerance import CommittingOptimizer
+
+        group_step = build_step(cfg, layout, run, CommittingOptimizer(optimizer, ft), device)
+
+        def step(micro_batches, number):
+            loss, grad_norm = group_step(micro_batches, number)
+            return ft.mean_over_groups(loss), grad_norm
+        return step
     mesh, t = run.mesh, cfg.training
     pp_mesh, dp_mesh, cp_mesh = submesh(mesh, "pp"), submesh(mesh, "dp"), submesh(mesh, "cp")
     loss_parallel = submesh(mesh, "tp") is not None and cfg.parallelism.loss_parallel

@@ -1,0 +1,51 @@
+"""One replica group of a [fault_tolerance] run, under its own torchrun, with a step that
+takes a while and, optionally, a death:
+
+    ft_replica.py RECORDS SECONDS KILL_STEP [train.py args]
+
+Each step the group commits is appended to RECORDS (a JSON line from its rank 0: the step,
+its loss, gradient norm and replica groups as logged, the time, torchrun's attempt). Every
+step sleeps SECONDS first (a stand-in for a real step's compute, so the survivors are
+still training while a killed group restarts). With KILL_STEP > 0, the group's rank 1
+SIGKILLs itself before that step on torchrun's first attempt only: torchrun then restarts
+the group, which rejoins the others. Everything else -- torchrun, the lighthouse, torchft,
+gloo -- is real.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+from meshtrain import train
+import meshtrain.training.metrics as metrics
+import meshtrain.training.recipe as recipe
+
+records, seconds, kill_step, argv = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+first_attempt = attempt == 0
+real_log = metrics.MetricsLogger.log
+
+
+def log(self, step, scalars):
+    real_log(self, step, scalars)
+    if self.rank == 0 and "loss" in scalars:  # training steps only (validation logs too)
+        with open(records, "a") as fh:
+            fh.write(json.dumps({"step": step, "attempt": attempt, "time": time.time(),
+                                 **{k: float(scalars[k]) for k in ("loss", "grad_norm", "replica_groups")}}) + "\n")
+
+
+metrics.MetricsLogger.log = log
+real_train_step = recipe.train_step  # what the step built by the recipe calls
+
+
+def train_step(*args, step, **kwargs):
+    if step == kill_step and first_attempt and os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(seconds)
+    return real_train_step(*args, step=step, **kwargs)
+
+
+recipe.train_step = train_step
+sys.exit(train.run(argv))
