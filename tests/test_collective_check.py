@@ -22,7 +22,7 @@ from meshtrain.training.config_loader import load_config
 # Each shipped config at the world size it is written for (its comments and docs say so).
 SHIPPED = {"debug_2d": 4, "debug_3d": 8, "gpt2_debug_3d": 8, "hf_debug": 4, "llama3_8b": 8,
            "llama3_8b_128k": 8, "hf_qwen2.5_7b": 8, "llama70b_2d": 64, "gpt2_175b": 128,
-           "llama405b_3d": 512, "sft_debug": 4, "moe_debug": 4, "lora_debug": 4}
+           "llama405b_3d": 512, "sft_debug": 4, "moe_debug": 4, "lora_debug": 4, "hf_moe_debug": 4}
 
 
 def test_every_shipped_config_is_listed():
