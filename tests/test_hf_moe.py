@@ -8,6 +8,7 @@ tests/test_expert_parallel.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -163,3 +164,47 @@ def test_active_parameters_count_the_top_k_of_each_layers_experts():
     assert model.active_parameters() == others + experts * hf["num_experts_per_tok"] // hf["num_experts"]
     assert build_hf("", hf={**COMMON, **ARCHS["qwen3"]}).active_parameters() == sum(
         p.numel() for p in build_hf("", hf={**COMMON, **ARCHS["qwen3"]}).parameters())  # dense: all of them
+
+
+def test_expert_loads_are_the_top_k_transformers_router_picks():
+    """The moe/ load statistics of a Hugging Face mixture of experts: each MoE layer's loads,
+    counted once per training forward -- two micro-batches add up; an evaluation forward and
+    activation checkpointing's recomputation in backward add nothing -- are a count of the
+    experts transformers' own router (its top-k) picks for the same tokens, and the logged
+    ratio is the busiest expert's over the mean."""
+    from meshtrain.parallel.activation_checkpoint import apply_ac
+
+    hf = json.loads((ROOT / "configs/hf/qwen3-moe-tiny/config.json").read_text())
+    ours = build_hf(str(ROOT / "configs/hf/qwen3-moe-tiny"))
+    ours.init_weights(seed=3, device="cpu")
+    cls = causal_lm_class(hf)
+    theirs = cls(cls.config_class.from_dict(hf))
+    theirs.load_state_dict(ours.state_dict())
+    picked: dict[str, torch.Tensor] = {}
+
+    def count(layer, module, args, out):
+        _, _, top_k_index = out
+        picked[layer] = picked.get(layer, 0) + torch.bincount(top_k_index.flatten(), minlength=hf["num_experts"])
+
+    for name, module in theirs.named_modules():
+        if type(module).__name__ == "Qwen3MoeTopKRouter":  # "model.layers.3.mlp.gate"
+            module.register_forward_hook(functools.partial(count, name.split(".")[2]))
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, hf["vocab_size"], (2, 33), generator=generator) for _ in range(2)]
+    with torch.no_grad():
+        for tokens in batches:
+            theirs(tokens)
+    apply_ac(ours.transformer_blocks(), "full")
+    with torch.no_grad():
+        ours(batches[0])  # evaluation: not counted
+    for tokens in batches:
+        ours(tokens).sum().backward()  # each block recomputed in backward: not counted again
+    ours.after_optimizer_step()
+
+    layers, loads = ours.last_loads
+    assert layers == sorted(picked) == ["1", "2", "3"]  # block 0 is dense (mlp_only_layers)
+    assert torch.equal(loads, torch.stack([picked[layer] for layer in layers]).double())
+    want = {f"moe/load_max_over_mean/layer{layer}": (c.max() / c.double().mean()).item() for layer, c in picked.items()}
+    assert ours.metrics() == pytest.approx({**want, "moe/dropped_tokens": 0.0}, rel=1e-12)
+    ours.after_optimizer_step()  # a step with no forward: nothing carried over
+    assert ours.last_loads[1].sum() == 0

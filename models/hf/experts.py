@@ -14,7 +14,9 @@ the experts' class, is both: its ``__call__`` keeps transformers' signature -- s
 token copies by expert, run the module (where expert parallelism's all-to-alls hook in),
 weigh each copy and add it back onto its token -- and its ``forward`` is the experts over
 rows already grouped by expert. The router, shared experts and everything else stay
-transformers' code; parameter names stay the Hugging Face ones.
+transformers' code; parameter names stay the Hugging Face ones. The call also counts the
+token copies its router sent each expert (`take_loads`: the moe/ load statistics, as
+models/moe/ counts them).
 
 Experts in another layout (transposed or biased weights as gpt-oss keeps them, a list of
 expert MLPs, DBRX's flattened weights) are left as transformers runs them: FSDP gathers
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from meshtrain.models.moe.experts import grouped_linear, local
+from meshtrain.models.moe.loads import counts_this_forward
 
 # What @use_experts_implementation records on an experts module, for the layout RoutedExperts computes.
 FUSED_LAYOUT = dict(has_gate=True, is_concatenated=True, is_transposed=False, has_bias=False,
@@ -46,12 +49,25 @@ class RoutedExperts:
         source = order // k  # the token each sorted copy came from
         tokens_per_expert = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
         tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))  # not bincount: its size is data
+        if counts_this_forward(hidden_states):  # not again when activation checkpointing recomputes
+            with torch.no_grad():
+                counted = getattr(self, "_mt_loads", None)
+                self._mt_loads = tokens_per_expert if counted is None else counted + tokens_per_expert
         routed = nn.Module.__call__(self, hidden_states[source], tokens_per_expert)  # with expert parallelism's hooks
         # Back in token order (a permutation: no atomic adds, as models/moe/layer.py's
         # combine), then each token's k copies weighed and summed.
         unsorted = torch.empty_like(routed).index_copy(0, order, routed).view(-1, k, routed.shape[-1])
         out = (unsorted * top_k_weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)
         return out.to(hidden_states.dtype)
+
+    def take_loads(self) -> torch.Tensor:
+        """[n_experts]: the token copies this rank's router sent each expert since the last
+        call, and start counting afresh. (A plain attribute, not a buffer: it is no part of
+        the weights transformers, checkpoints or expert parallelism's sharding handle.)"""
+        counted, self._mt_loads = getattr(self, "_mt_loads", None), None
+        if counted is None:
+            counted = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=local(self.gate_up_proj).device)
+        return counted
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert (``tokens_per_expert[e]`` of them for the e-th expert this

@@ -30,6 +30,7 @@ from meshtrain.models.hf.config import HFConfig, HFModelError, config_path, read
 from meshtrain.models.hf.config_checks import config_problem, file_problem
 from meshtrain.models.hf.experts import RoutedExperts, plan_addresses, route_experts_
 from meshtrain.models.hf.tp_styles import STYLES, refusal, translate
+from meshtrain.models.moe.loads import load_scalars, summed_loads
 from meshtrain.parallel.init import canonical_name, copy_block_, materialize, param_seed
 from meshtrain.parallel.lora import init_adapters_
 from meshtrain.parallel.mesh import LayoutError
@@ -234,6 +235,34 @@ class HFModel:
         """What expert parallelism splits: the routed experts; None when there are none it can
         split (a dense model; experts in another layout, which layout_refusal names)."""
         return {"routed experts": self._mt_n_experts} if self._mt_n_experts else None
+
+    # ---- the optional calls of training/step.py (models/registry.py) ----
+
+    def expert_layers(self) -> dict[str, RoutedExperts]:
+        """The routed experts of each MoE layer on this part, by layer index ("1")."""
+        out = {}
+        for index, block in self._layers().named_children():
+            experts = next((m for m in block.modules() if isinstance(m, RoutedExperts)), None)
+            if experts is not None:
+                out[index] = experts
+        return out
+
+    @torch.no_grad()
+    def after_optimizer_step(self, sum_over=()) -> None:
+        """Sum the step's expert loads over the data-parallel meshes ``sum_over`` and keep
+        them for `metrics` (``last_loads``: layer indices, [layers, experts]), as the native
+        family does (models/moe/loads.py). No balancing
+        state: transformers' routers have no bias, and its auxiliary loss is not added."""
+        layers = self.expert_layers()
+        if layers:
+            loads = summed_loads([m.take_loads() for m in layers.values()], sum_over)
+            self.last_loads = (list(layers), loads)  # read (a device sync) only when logged
+
+    def metrics(self) -> dict[str, float]:
+        """The moe/ scalars of the last step (docs/moe.md): each layer's load, dropped tokens."""
+        if getattr(self, "last_loads", None) is None:
+            return {}
+        return {**load_scalars(*self.last_loads), "moe/dropped_tokens": 0.0}  # dropless: never one
 
     def active_parameters(self) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to (what MFU

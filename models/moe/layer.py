@@ -30,6 +30,7 @@ from torch import nn
 
 from meshtrain.models.moe.config import MoEConfig
 from meshtrain.models.moe.experts import GroupedExperts, local
+from meshtrain.models.moe.loads import counts_this_forward
 
 
 class SwiGLU(nn.Module):
@@ -142,7 +143,7 @@ class MoE(nn.Module):
         # Summed over sequences, each weighted by its tokens: times the step's scale, the
         # mean over the global batch's sequences, as the cross-entropy is over its tokens.
         balance = (sequence_balance(chosen, scores, batch) * seq).sum() * scale
-        if _first_forward(x):  # not again when activation checkpointing recomputes in backward
+        if counts_this_forward(x):  # not again when activation checkpointing recomputes in backward
             with torch.no_grad():
                 self.tokens_per_expert += tokens_per_expert
                 self.balance_total += balance.detach()
@@ -150,14 +151,3 @@ class MoE(nn.Module):
             out = AddBalanceLoss.apply(out, self.balance_loss_coef * balance)
         return out
 
-
-def _first_forward(x: torch.Tensor) -> bool:
-    """False while autograd's engine runs (a recomputation inside backward), during a
-    pipeline stage's metadata inference (a forward before the schedule's own, on whatever
-    tensors), and on fake or meta tensors (the dry run): their values count for nothing."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    from meshtrain.parallel.pipeline import inferring_stage_metadata
-
-    return (torch._C._current_graph_task_id() == -1 and not inferring_stage_metadata()
-            and not x.is_meta and not is_fake(x))

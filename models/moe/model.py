@@ -21,6 +21,7 @@ from meshtrain.models.documents import document_mask
 from meshtrain.models.llama.model import Attention, FeedForward, rope_frequencies
 from meshtrain.models.moe.config import FLAVORS, MoEConfig
 from meshtrain.models.moe.layer import MoE
+from meshtrain.models.moe.loads import load_scalars, summed_loads
 from meshtrain.parallel.init import init_param_, materialize, trunc_normal_
 
 
@@ -139,13 +140,11 @@ class MoETransformer(nn.Module):
         layers = self.moe_layers()
         if not layers:
             return
-        loads = torch.stack([m.tokens_per_expert for m in layers.values()])
+        loads = summed_loads([m.tokens_per_expert for m in layers.values()], sum_over)
         balance = torch.stack([m.balance_total for m in layers.values()])
         for mesh in sum_over:
             if mesh is not None:
-                dist.all_reduce(loads, group=mesh.get_group())
                 dist.all_reduce(balance, op=dist.ReduceOp.AVG, group=mesh.get_group())  # as the loss is
-        loads = loads.double()
         for moe, load in zip(layers.values(), loads):
             if self.cfg.bias_update_rate > 0:
                 moe.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load).to(moe.expert_bias.dtype)
@@ -160,8 +159,7 @@ class MoETransformer(nn.Module):
         if getattr(self, "_last_step", None) is None:
             return {}
         names, loads, bias, balance = self._last_step
-        ratio = (loads.max(dim=-1).values / loads.mean(dim=-1).clamp(min=1)).tolist()
-        out = {f"moe/load_max_over_mean/layer{name}": r for name, r in zip(names, ratio)}
+        out = load_scalars(names, loads)
         if self.cfg.bias_update_rate > 0:
             out.update({f"moe/bias_max_abs/layer{name}": b for name, b in zip(names, bias.tolist())})
         if self.cfg.balance_loss_coef > 0:
