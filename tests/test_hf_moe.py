@@ -2,7 +2,8 @@
 meshtrain's (models/hf/experts.py) and give the unmodified class's logits and gradients
 (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE with its shared expert); the per-expert tensors
 save_pretrained writes load fused, each rank reading only its experts' block under
-expert parallelism; TP leaves the experts whole. Training under FSDP x EP (x TP) against
+expert parallelism; TP leaves the experts whole; the moe/ loads are a count of
+transformers' router's top-k, once per training forward. Training under FSDP x EP (x TP) against
 the unmodified class is tests/test_hf_toml.py's (qwen3_moe); the refusals are in
 tests/test_expert_parallel.py."""
 
@@ -208,3 +209,32 @@ def test_expert_loads_are_the_top_k_transformers_router_picks():
     assert ours.metrics() == pytest.approx({**want, "moe/dropped_tokens": 0.0}, rel=1e-12)
     ours.after_optimizer_step()  # a step with no forward: nothing carried over
     assert ours.last_loads[1].sum() == 0
+
+
+def test_a_pipeline_stage_counts_only_the_schedules_forwards(tmp_path):
+    """torch's pipeline stages run an extra forward on their first step to infer shapes
+    (parallel/pipeline.py `inferring_stage_metadata`): the loads of a one-stage schedule
+    over two micro-batches are the plain model's over the batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshtrain.parallel.pipeline import build_schedule
+
+    plain = build_hf(str(ROOT / "configs/hf/qwen3-moe-tiny"))
+    plain.init_weights(seed=3, device="cpu")
+    piped = plain.pipeline_stage(list(range(plain.cfg.n_layers)), first=True, last=True)
+    tokens = torch.randint(0, plain.cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    loss = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        schedule = build_schedule("GPipe", [(0, piped)], init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))["pp"],
+                                  n_microbatches=2, n_stages=1, device=torch.device("cpu"), loss_fn=loss)
+        schedule.step(inputs, target=labels)
+    finally:
+        dist.destroy_process_group()
+    loss(plain(inputs), labels).backward()
+    for model in (piped, plain):
+        model.after_optimizer_step()
+    assert piped.last_loads[0] == plain.last_loads[0] == ["1", "2", "3"]
+    assert torch.equal(piped.last_loads[1], plain.last_loads[1])
