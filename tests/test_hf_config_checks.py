@@ -1,7 +1,8 @@
 """A Hugging Face config.json that transformers reads but cannot run, and weight files
 that cannot be read, are refused before any process group, naming the key or the file:
 an unknown RoPE type (a bare KeyError from transformers' rotary class before), key/value
-heads that do not divide the heads (a shape error in the first forward before), a
+heads that do not divide the heads (a shape error in the first forward before), a router
+auxiliary loss asked for that meshtrain would not add (silently ignored before), a
 truncated safetensors file, an index naming a shard that is missing or that lacks a
 tensor, an index that is not JSON (a SafetensorError traceback from every rank before)."""
 
@@ -40,6 +41,15 @@ def test_key_value_heads_that_do_not_divide_the_heads_are_refused_naming_both(tm
     message = hf_refusal(tmp_path, folder)
     assert f"{folder}/config.json: num_key_value_heads = 3 does not divide num_attention_heads = 4" in message
     assert "(1, 2, 4)" in message
+
+
+def test_a_router_auxiliary_loss_meshtrain_would_not_add_is_refused(tmp_path):
+    from tests.hf_configs import ARCHS
+
+    folder = extra_config(tmp_path, "aux", **{**COMMON, **ARCHS["qwen3_moe"]}, output_router_logits=True)
+    message = hf_refusal(tmp_path, folder)
+    assert f"{folder}/config.json: output_router_logits = true" in message and "router_aux_loss_coef = 0.001" in message
+    assert "set output_router_logits to false" in message
 
 
 def test_a_known_rope_type_and_grouped_heads_still_build(tmp_path):

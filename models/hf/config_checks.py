@@ -7,7 +7,11 @@ and the file instead of a KeyError or a shape mismatch from inside the first for
   ROPE_INIT_FUNCTIONS and fails with a bare KeyError;
 - key/value heads that do not divide the attention heads: grouped-query attention repeats
   each key/value head num_attention_heads / num_key_value_heads times, and a remainder
-  surfaces as a shape error in attention.
+  surfaces as a shape error in attention;
+- ``output_router_logits = true`` on a mixture of experts: transformers then adds its router
+  auxiliary loss to the loss it returns when given labels; meshtrain computes the
+  cross-entropy itself from the logits, so the setting would be silently ignored
+  (docs/moe.md, Hugging Face mixtures of experts).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def file_problem(config_class, hf: dict, path: str) -> str | None:
 def config_problem(config, hf: dict, path: str) -> str | None:
     """Why the transformers ``config`` built from ``hf`` cannot run, naming the key and the
     file; None when nothing is wrong."""
-    return _heads_problem(config, hf, path)
+    return _heads_problem(config, hf, path) or _router_loss_problem(config, path)
 
 
 def _rope_types(rope: dict) -> list[str]:
@@ -70,3 +74,13 @@ def _heads_problem(config, hf: dict, path: str) -> str | None:
                 f"key/value head serves a whole group of attention heads, so use a divisor of {heads} "
                 f"({', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
     return None
+
+
+def _router_loss_problem(config, path: str) -> str | None:
+    text = config.get_text_config()
+    if getattr(text, "output_router_logits", False) is not True:
+        return None
+    coef = getattr(text, "router_aux_loss_coef", None)
+    return (f"{path}: output_router_logits = true asks for transformers' router auxiliary loss (router_aux_loss_coef "
+            f"= {coef}), which meshtrain does not add: it trains the cross-entropy alone, as transformers does by "
+            "default; set output_router_logits to false")
