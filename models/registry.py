@@ -14,7 +14,8 @@ What the model class must answer (models/llama/model.py is the example):
     transformer_blocks(), tp_plan(sequence_parallel=, loss_parallel=), tp_divisible(),
     tied_weights(), and pipeline_stage(layer_ids, first=, last=) for pipelines.
 
-Optional -- the step calls them on each model part that has them (models/moe/model.py):
+Optional -- the step calls them on each model part that has them (models/moe/model.py;
+models/hf/model.py answers after_optimizer_step and metrics with the same expert loads):
     set_loss_scale(scale)       before a step's forwards: the factor summed token losses are
                                 multiplied by (training/step.py token_loss_scale); a model that
                                 adds a loss of its own from inside (a balance loss, injected in
