@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from meshtrain.models import registry
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import STRATEGIES
+from meshtrain.physics.flops import flops_per_token
 from meshtrain.physics.gpus import GPU
 from meshtrain.planning.hardware import Topology, default_topology
 
@@ -95,6 +96,13 @@ class ModelShape:
     def n_params(self) -> int:
         head = 0 if self.tied else self.head_split  # a tied output is the embedding's weight
         return self.n_layers * self.layer_params + self.embedding + head + self.head_replicated
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token by the one definition (physics/flops.py), as train.py
+        counts them: a tied output layer is a matmul too."""
+        return flops_per_token(params=self.n_params, embedding=self.embedding,
+                               tied_output=self.head_split if self.tied else 0, n_layers=self.n_layers,
+                               dim=self.dim, seq_len=seq_len)
 
 
 @dataclass(frozen=True)
