@@ -110,12 +110,15 @@ def partition(group_name: str, members: tuple) -> torch.Tensor | None:
     """Every group of the dimension ``group_name`` was made for, a row each (the fake
     world keeps them as the mesh makes its groups); the world for the default group; None
     for a group made outside a mesh (its traced members are compared among themselves)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from meshtrain.planning.fake_world import partitions
 
     if group_name in partitions:
         return partitions[group_name]
     if len(members) == dist.get_world_size():
-        return torch.arange(len(members)).unsqueeze(0)
+        with unset_fake_temporarily():  # met inside the traced step
+            return torch.arange(len(members)).unsqueeze(0)
     return None
 
 

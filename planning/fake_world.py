@@ -55,14 +55,18 @@ def _own_groups_only() -> None:
     def init_one_process_group(sub_layout, rank_map, dim_name, backend_override):
         if dist.get_backend() != "fake" or backend_override != (None, None):
             return make_groups(sub_layout, rank_map, dim_name, backend_override)
-        groups = _MeshLayout([sub_layout]).remap_to_tensor(rank_map)  # every group, a row each
-        if groups.shape[0] == 1 and groups.numel() == dist.get_world_size():
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # groups may be made inside a traced step: rows are real
+            groups = _MeshLayout([sub_layout]).remap_to_tensor(rank_map)  # every group, a row each
+            row = (groups == dist.get_rank()).any(dim=1).nonzero()
+            mine = groups[row[0, 0]].tolist() if row.numel() else None
+        if mine is None:
+            return None
+        if len(mine) == dist.get_world_size():
             name = dist.distributed_c10d._get_default_group().group_name  # as torch: the world's
         else:
-            row = (groups == dist.get_rank()).any(dim=1).nonzero()
-            if row.numel() == 0:
-                return None
-            name = dist.new_group(ranks=groups[row[0, 0]].tolist(), group_desc=f"mesh_{dim_name}").group_name
+            name = dist.new_group(ranks=mine, group_desc=f"mesh_{dim_name}").group_name
         partitions[name] = groups
         return name
 
