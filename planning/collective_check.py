@@ -299,14 +299,17 @@ def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, exhaustiv
     """Trace the representative ranks (every rank if ``exhaustive``: small worlds, the
     reference the derivation is tested against) and run the three checks; the problems
     found, each in one line (empty: no hang found). ``shown``: how many are printed."""
+    from meshtrain.planning.fake_world import one_thread
+
     started = time.perf_counter()
-    first, layout = trace_rank(cfg, world_size, 0, gpus_per_node)
-    ranks = list(range(world_size)) if exhaustive else representatives(layout)
-    say(f"meshtrain collective check: tracing {len(ranks)} " +
-        ("ranks (every one)" if exhaustive else f"representative ranks of {world_size}: {_short(ranks)}"))
-    traces = [first] + [trace_rank(cfg, world_size, rank, gpus_per_node)[0] for rank in ranks[1:]]
-    problems = (compare_groups(traces, stands_for(layout, ranks)) + compare_stage_boundaries(traces)
-                + play_schedule(layout))
+    with one_thread():
+        first, layout = trace_rank(cfg, world_size, 0, gpus_per_node)
+        ranks = list(range(world_size)) if exhaustive else representatives(layout)
+        say(f"meshtrain collective check: tracing {len(ranks)} " +
+            ("ranks (every one)" if exhaustive else f"representative ranks of {world_size}: {_short(ranks)}"))
+        traces = [first] + [trace_rank(cfg, world_size, rank, gpus_per_node)[0] for rank in ranks[1:]]
+        problems = (compare_groups(traces, stands_for(layout, ranks)) + compare_stage_boundaries(traces)
+                    + play_schedule(layout))
     n_groups = sum(int(rows.shape[0]) for rows in {lab: rows for t in traces for lab, rows in t.partitions.items()
                                                     if rows is not None}.values())
     n_calls = sum(len(c) for t in traces for c in t.calls.values())
