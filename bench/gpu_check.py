@@ -65,7 +65,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from bench import throughput
 from meshtrain.parallel.mesh import shutdown_distributed
 from meshtrain.physics.gpus import GIB
-from meshtrain.training.metrics import device_peak_flops, flops_per_token
+from meshtrain.training.metrics import device_peak_flops, model_flops_per_token
 
 # name -> (activation checkpointing, compile, float8 recipe or None)
 ROWS = {
@@ -269,8 +269,7 @@ def bench_args(args, layers: int, ac: str, compiled: bool, float8: str | None):
 def run_rows(args, layers: int, mesh, device, deadline: float, env: dict, profile_to: Path) -> tuple[list, float, int]:
     shape = throughput.new_model(bench_args(args, layers, "none", False, None))
     n = sum(p.numel() for p in shape.parameters())
-    flops = flops_per_token(n, shape.tok_embeddings.weight.numel(), shape.cfg.n_layers, shape.cfg.dim,
-                            shape.cfg.max_seq_len)
+    flops = model_flops_per_token(shape, shape.cfg.max_seq_len)  # train.py's MFU definition (physics/flops.py)
     spec = env["spec_tflops"] * 1e12 if env["spec_tflops"] else None
     matmul = env["matmul_tflops"] * 1e12
     est = {"step": 2.0, "compile": 120.0}  # seconds, refined by each measured variant

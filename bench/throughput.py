@@ -54,7 +54,7 @@ from meshtrain.parallel import AC_MODES, mixed_precision_policy, parallelize, sh
 from meshtrain.parallel.float8 import apply_float8
 from meshtrain.physics.gpus import GIB
 from meshtrain.training.config import DTYPES
-from meshtrain.training.metrics import (TrackedActivations, device_peak_flops, flops_per_token, memory_stats,
+from meshtrain.training.metrics import (TrackedActivations, device_peak_flops, memory_stats, model_flops_per_token,
                               reset_peak_rss)
 from meshtrain.training.optim import build_optimizer
 from meshtrain.training.step import compile_loss, train_step
@@ -332,8 +332,7 @@ def main(argv=None) -> dict:
     mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp_shard",))
     shape = new_model(args)
     num_params = sum(p.numel() for p in shape.parameters())
-    num_embedding = shape.tok_embeddings.weight.numel()
-    flops = flops_per_token(num_params, num_embedding, shape.cfg.n_layers, shape.cfg.dim, args.seq_len)
+    flops = model_flops_per_token(shape, args.seq_len)  # train.py's MFU definition (physics/flops.py)
     peak = device_peak_flops(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = [measure("plain PyTorch (fully_shard)", build_baseline, args, mesh, device, flops, peak, False),

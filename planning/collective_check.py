@@ -7,24 +7,29 @@ matching tensor. If one rank issues an all-reduce its peers do not (a rank-depen
 branch in a model, a stage that holds one layer more, a shape that differs by rank), the
 job does not fail: it hangs until the NCCL watchdog kills it, often after a long queue.
 
-Tracing all 512 ranks would take an hour; their programs fall into few classes. Under a
-pipeline each pp coordinate runs different layers, so every pp coordinate is traced; in
-the other dimensions the ranks run the same program on different data, so one more rank
-is traced per dimension of size > 1, at the last coordinate of that dimension (it shares
-every group of that dimension with a traced rank), and the world's last rank. Each one's
-training step runs on fake tensors (`planning.traced_step`, one micro-batch per stage: the
-sequence repeats per micro-batch) while every collective is recorded in order: group,
-operation, shape, dtype and the phase of the step that issued it. Then:
+Tracing all 512 ranks would take an hour; their programs fall into few roles. Under a
+pipeline each pp coordinate runs different layers: its role. In the other dimensions the
+ranks run the same program on different data. So one rank per pp coordinate is traced,
+plus one per dimension of size > 1 at the last coordinate of that dimension (where uneven
+shards would show) and the world's last rank. Each one's training step runs on fake
+tensors (`planning.traced_step`, one micro-batch per stage: the sequence repeats per
+micro-batch) while every collective is recorded in order: group, operation, shape, dtype
+and the phase of the step that issued it. Every other rank issues, in each of its groups,
+what the traced rank of its pp coordinate issues in that rank's group of the same
+dimension. Then:
 
-1. each group's traced members must issue the same sequence; the first difference is
-   reported with both ranks, the op and the phase;
+1. every group of every dimension (torch's own list of them, kept by the fake world)
+   must see the same sequence from each member; the first difference is reported with
+   the group's lowest rank and the first member that differs, the op and the phase --
+   what tracing every rank reports (`exhaustive=True` does, for small worlds), found in
+   time linear in the world;
 2. each pipeline stage must send what the next stage is built to receive (shape, dtype);
 3. the schedule (torch's own list of each pp rank's forwards and backwards) is played
    out over all pp ranks with the stage placement the run uses: every receive must meet
    its send, or the ranks left waiting are named.
 
-What it cannot see: branches on data values (fake tensors have none) and ranks outside
-the traced classes that behave differently from their class.
+What it cannot see: branches on data values (fake tensors have none) and an untraced rank
+that behaves unlike the traced rank of its pp coordinate.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class RankTrace:
     coords: dict[str, int]
     calls: dict[tuple, list[Call]] = field(default_factory=dict)  # group members -> calls in order
     labels: dict[tuple, str] = field(default_factory=dict)        # group members -> mesh dimension(s)
+    partitions: dict[str, torch.Tensor] = field(default_factory=dict)  # dimension -> all its groups, a row each
     stage_io: dict[int, tuple] = field(default_factory=dict)      # stage -> (input, output) (shape, dtype)
 
 
@@ -65,11 +71,13 @@ class RecordCollectives(CountCollectives):
 
     def __init__(self, group_names, trace: RankTrace):
         super().__init__(group_names)
-        self.trace, self.members = trace, {}
+        self.trace, self.members, self.partition_of = trace, {}, {}
 
     def on_collective(self, kind: str, payload: torch.Tensor, args) -> None:
         members = self._members(args)
-        self.trace.labels.setdefault(members, self._group(args)[0])
+        label = self.trace.labels.setdefault(members, self._group(args)[0])
+        if label not in self.trace.partitions:
+            self.trace.partitions[label] = self.partition_of[members]
         self.trace.calls.setdefault(members, []).append(
             Call(kind, tuple(payload.shape), str(payload.dtype).replace("torch.", ""), self.phase))
         super().on_collective(kind, payload, args)
@@ -91,9 +99,27 @@ class RecordCollectives(CountCollectives):
                     continue
             if pg is not None:
                 if pg.group_name not in self.members:
-                    self.members[pg.group_name] = tuple(dist.get_process_group_ranks(pg))
+                    members = tuple(dist.get_process_group_ranks(pg))
+                    self.members[pg.group_name] = members
+                    self.partition_of[members] = partition(pg.group_name, members)
                 return self.members[pg.group_name]
         raise RuntimeError(f"collective without a process group among its arguments: {args!r:.200}")
+
+
+def partition(group_name: str, members: tuple) -> torch.Tensor | None:
+    """Every group of the dimension ``group_name`` was made for, a row each (the fake
+    world keeps them as the mesh makes its groups); the world for the default group; None
+    for a group made outside a mesh (its traced members are compared among themselves)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from meshtrain.planning.fake_world import partitions
+
+    if group_name in partitions:
+        return partitions[group_name]
+    if len(members) == dist.get_world_size():
+        with unset_fake_temporarily():  # met inside the traced step
+            return torch.arange(len(members)).unsqueeze(0)
+    return None
 
 
 # ---------------------------------------------------------------- which ranks
@@ -120,6 +146,15 @@ def representatives(dims) -> list[int]:
     ranks += [rank_of(dims, {d: getattr(dims, d) - 1}) for d in DIM_NAMES[1:] if getattr(dims, d) > 1]
     ranks.append(dims.world_size - 1)
     return list(dict.fromkeys(ranks))
+
+
+def stands_for(dims, traced: list[int]) -> torch.Tensor:
+    """For every rank, the traced rank whose program it runs: itself if traced, else the
+    first rank of its pp coordinate (pp is the outermost mesh dimension)."""
+    per_stage = dims.world_size // dims.pp
+    source = torch.arange(dims.world_size) // per_stage * per_stage
+    source[torch.tensor(traced)] = torch.tensor(traced)
+    return source
 
 
 # ---------------------------------------------------------------- tracing
@@ -161,36 +196,60 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int) -> tuple[Ran
 
 # ---------------------------------------------------------------- checks
 
-def compare_groups(traces: list[RankTrace]) -> list[str]:
-    """The first difference in each group between two of its traced members."""
-    problems = []
-    groups = {g for t in traces for g in t.calls}
-    for members in sorted(groups, key=lambda g: (len(g), g)):
-        traced = [t for t in traces if t.rank in members]
-        if len(traced) < 2:
-            continue
-        first = traced[0]
-        label = first.labels.get(members) or next(t.labels[members] for t in traced if members in t.labels)
+def compare_groups(traces: list[RankTrace], source: torch.Tensor) -> list[str]:
+    """The first difference in each group, over every group of every dimension: a rank
+    issues what the traced rank ``source[rank]`` issues in its group of that dimension.
+    Groups are sorted by size then members; each is compared from its lowest rank, against
+    the members in rank order -- with every rank traced and ``source`` the identity, what
+    comparing each group's traced members one by one gives."""
+    by_rank = {t.rank: t for t in traces}
+    found = []  # (members, problem)
+    partitions = {}
+    for t in traces:
+        for label, rows in t.partitions.items():
+            if rows is not None:
+                partitions.setdefault(label, rows)
+    for label, rows in partitions.items():
+        calls, ids = {}, {}  # traced rank -> its calls in its group of `label`; sequence -> id
+        seq_id = torch.full((len(source),), -1, dtype=torch.long)
+        for t in traces:
+            members = next((m for m, lab in t.labels.items() if lab == label), None)
+            calls[t.rank] = t.calls.get(members, []) if members is not None else []
+            key = tuple((c.kind, c.shape, c.dtype) for c in calls[t.rank])
+            seq_id[t.rank] = ids.setdefault(key, len(ids))
+        if len(ids) == 1:
+            continue  # every traced rank issues the same here: so does every rank
+        ordered = rows.sort(dim=1).values
+        got = seq_id[source[ordered]]
+        for row in (got != got[:, :1]).any(dim=1).nonzero().flatten().tolist():
+            col = int((got[row] != got[row, 0]).nonzero()[0])
+            a, b = int(ordered[row, 0]), int(ordered[row, col])
+            problem = _first_difference(a, calls[int(source[a])], b, calls[int(source[b])])
+            found.append((tuple(rows[row].tolist()), f"{label} group {_short(rows[row].tolist())}: {problem}"))
+    # Groups made outside a mesh: their traced members, one against the other.
+    for members in {g for t in traces for g, lab in t.labels.items() if t.partitions.get(lab) is None}:
+        traced = sorted(r for r in members if r in by_rank)
         for other in traced[1:]:
-            problem = _first_difference(first, other, members)
+            problem = _first_difference(traced[0], by_rank[traced[0]].calls.get(members, []),
+                                        other, by_rank[other].calls.get(members, []))
             if problem:
-                problems.append(f"{label} group {_short(members)}: {problem}")
+                label = by_rank[traced[0]].labels.get(members) or by_rank[other].labels[members]
+                found.append((members, f"{label} group {_short(members)}: {problem}"))
                 break
-    return problems
+    return [problem for _, problem in sorted(found, key=lambda f: (len(f[0]), f[0]))]
 
 
-def _first_difference(a: RankTrace, b: RankTrace, members: tuple) -> str:
-    ca, cb = a.calls.get(members, []), b.calls.get(members, [])
+def _first_difference(rank_a: int, ca: list, rank_b: int, cb: list) -> str:
     for i, (x, y) in enumerate(zip(ca, cb)):
         if (x.kind, x.shape, x.dtype) != (y.kind, y.shape, y.dtype):
-            return (f"call #{i + 1} differs: rank {a.rank} issues {x.describe()}; "
-                    f"rank {b.rank} issues {y.describe()}")
+            return (f"call #{i + 1} differs: rank {rank_a} issues {x.describe()}; "
+                    f"rank {rank_b} issues {y.describe()}")
     if len(ca) != len(cb):
-        more, fewer = (a, b) if len(ca) > len(cb) else (b, a)
-        extra = (ca if more is a else cb)[min(len(ca), len(cb))]
-        return (f"rank {more.rank} issues {abs(len(ca) - len(cb))} more call(s) than rank {fewer.rank} "
+        (more, cm), (fewer, _) = ((rank_a, ca), (rank_b, cb)) if len(ca) > len(cb) else ((rank_b, cb), (rank_a, ca))
+        extra = cm[min(len(ca), len(cb))]
+        return (f"rank {more} issues {abs(len(ca) - len(cb))} more call(s) than rank {fewer} "
                 f"({max(len(ca), len(cb))} against {min(len(ca), len(cb))}); the first unmatched is "
-                f"call #{min(len(ca), len(cb)) + 1}: {extra.describe()}; rank {fewer.rank} would wait there forever")
+                f"call #{min(len(ca), len(cb)) + 1}: {extra.describe()}; rank {fewer} would wait there forever")
     return ""
 
 
@@ -235,27 +294,34 @@ def play_schedule(layout) -> list[str]:
     return []
 
 
-def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, ranks: list[int] | None = None,
-                      say=print) -> list[str]:
-    """Trace the representative ranks (or ``ranks``) and run the three checks; the
-    problems found, each in one line (empty: no hang found)."""
+def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, exhaustive: bool = False,
+                      say=print, shown: int = 20) -> list[str]:
+    """Trace the representative ranks (every rank if ``exhaustive``: small worlds, the
+    reference the derivation is tested against) and run the three checks; the problems
+    found, each in one line (empty: no hang found). ``shown``: how many are printed."""
+    from meshtrain.planning.fake_world import one_thread
+
     started = time.perf_counter()
-    first, layout = trace_rank(cfg, world_size, (ranks or [0])[0], gpus_per_node)
-    ranks = ranks or representatives(layout)
-    say(f"meshtrain collective check: tracing {len(ranks)} representative ranks of {world_size}: {_short(ranks)}")
-    traces = [first]
-    for rank in ranks[1:]:
-        traces.append(trace_rank(cfg, world_size, rank, gpus_per_node)[0])
-    problems = compare_groups(traces) + compare_stage_boundaries(traces) + play_schedule(layout)
-    n_groups = len({g for t in traces for g in t.calls})
+    with one_thread():
+        first, layout = trace_rank(cfg, world_size, 0, gpus_per_node)
+        ranks = list(range(world_size)) if exhaustive else representatives(layout)
+        say(f"meshtrain collective check: tracing {len(ranks)} " +
+            ("ranks (every one)" if exhaustive else f"representative ranks of {world_size}: {_short(ranks)}"))
+        traces = [first] + [trace_rank(cfg, world_size, rank, gpus_per_node)[0] for rank in ranks[1:]]
+        problems = (compare_groups(traces, stands_for(layout, ranks)) + compare_stage_boundaries(traces)
+                    + play_schedule(layout))
+    n_groups = sum(int(rows.shape[0]) for rows in {lab: rows for t in traces for lab, rows in t.partitions.items()
+                                                    if rows is not None}.values())
     n_calls = sum(len(c) for t in traces for c in t.calls.values())
-    say(f"meshtrain collective check: {n_calls} collectives in {n_groups} groups recorded "
-        f"in {time.perf_counter() - started:.0f} s; " +
-        ("every group's traced members issue the same sequence" +
+    say(f"meshtrain collective check: {n_calls} collectives of {len(traces)} traced ranks, {n_groups} groups "
+        f"compared in {time.perf_counter() - started:.0f} s; " +
+        ("every group's members issue the same sequence" +
          (", every stage sends what the next receives and the schedule plays out without waiting forever"
           if layout.stage_layers else "") if not problems else f"{len(problems)} problem(s):"))
-    for p in problems:
+    for p in problems[:shown]:
         say(f"  HANG: {p}")
+    if len(problems) > shown:
+        say(f"  ... and {len(problems) - shown} more")
     return problems
 
 

@@ -30,7 +30,8 @@ from meshtrain.physics.gpus import GIB as GiB
 from meshtrain.physics.gpus import HEADROOM
 from meshtrain.planning.collectives import CountCollectives, mesh_group_names
 from meshtrain.planning.estimate import NotModelled, estimate, planner_job
-from meshtrain.planning.fake_world import breakdown, init_fake_world, memory_tracker, sharding_propagation_untracked
+from meshtrain.planning.fake_world import (breakdown, init_fake_world, memory_tracker, one_thread,
+                                           sharding_propagation_untracked)
 from meshtrain.planning.traced_step import activation_seq, build_rank, init_optimizer_state, trace_step
 from meshtrain.training import recipe
 
@@ -41,6 +42,11 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     (unless ``quiet``) and return its numbers. ``gpu`` (e.g. "h100-80gb"): say whether the
     peak fits. ``fake=False`` runs the step on real CPU tensors instead (small models only):
     the reference tests check the fake trace against."""
+    with one_thread() if fake else contextlib.nullcontext():
+        return _dry_run(cfg, world_size, rank, gpus_per_node, gpu, fake=fake, quiet=quiet)
+
+
+def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, fake: bool, quiet: bool) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     card = None

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from meshtrain.models import registry
 from meshtrain.parallel.layout import ParallelDims
-from meshtrain.physics.flops import flops_per_token  # the FLOPs train.py reports MFU with
 from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 from meshtrain.planning import hardware
 from meshtrain.planning.memory import Memory, memory_per_gpu
@@ -61,8 +60,7 @@ def estimate(job: Job, lay: ParallelDims) -> Estimate:
     t = step_time(job, lay)
     m, tokens = job.model, job.global_batch * job.seq_len
     tps = tokens / t.seconds / job.world
-    # A mixture of experts counts the parameters a token uses (as training/metrics.py does).
-    model_flops = flops_per_token(m.active_params, m.embedding, m.n_layers, m.dim, job.seq_len)
+    model_flops = m.flops_per_token(job.seq_len)  # physics/flops.py: train.py's MFU counts the same
     return Estimate(
         layout=lay, memory=memory_per_gpu(job, lay), step_time=t.seconds, tokens_per_s_per_gpu=tps,
         mfu=tps * model_flops / job.gpu.peak_bf16_flops, comm_bytes=t.comm_bytes, times=t.times,

@@ -8,8 +8,15 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+
+# Process-group name -> every group of the mesh dimension it was made for, one row each
+# ([groups, group size], torch's own enumeration): the collective check derives the
+# untraced ranks' groups from it. Filled while a fake world builds its meshes.
+partitions: dict[str, torch.Tensor] = {}
 
 
 def init_fake_world(rank: int, world_size: int) -> None:
@@ -19,10 +26,94 @@ def init_fake_world(rank: int, world_size: int) -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    _own_groups_only()
+    partitions.clear()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     # DTensor caches sharding decisions by mesh, and meshes of different ranks compare
     # equal: another rank's dry run in this process must not answer for this one.
     _clear_sharding_prop_cache()
+
+
+@contextlib.contextmanager
+def one_thread():
+    """A fake step computes nothing; what torch does compute are rank maps of the whole
+    world (131,072 ranks: searched, compared), small ops that a second intra-op thread
+    slows down on a busy 2-core machine (the collective check at 131,072 ranks: 40 s with
+    two threads, 14 s with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- a mesh of 100,000 ranks
+
+def _own_groups_only() -> None:
+    """Make a DeviceMesh on the fake group cost what this rank's own groups cost.
+
+    Outside a fake group torch's DeviceMesh calls `new_group` for every group of every
+    dimension, on every rank (it is a collective over the world), and works out its mesh
+    tensor by searching the whole rank map at each `.mesh`: 1.7 and 2.5 s per mesh at
+    131,072 ranks, for groups and searches a fake rank never uses -- most of a traced
+    rank's time there. On the fake group, a dimension makes only the group that holds this
+    rank (whose members and order are the same) and keeps every group's row in
+    `partitions`; a mesh's tensor is worked out once. Other backends take torch's path."""
+    if getattr(DeviceMesh, "_meshtrain_own_groups", False):
+        return
+    from torch.distributed.device_mesh import _MeshLayout
+
+    make_groups, mesh_of = DeviceMesh._init_one_process_group, DeviceMesh.mesh.fget
+
+    def init_one_process_group(sub_layout, rank_map, dim_name, backend_override):
+        if dist.get_backend() != "fake" or backend_override != (None, None):
+            return make_groups(sub_layout, rank_map, dim_name, backend_override)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # groups may be made inside a traced step: rows are real
+            groups = _MeshLayout([sub_layout]).remap_to_tensor(rank_map)  # every group, a row each
+            row = (groups == dist.get_rank()).any(dim=1).nonzero()
+            mine = groups[row[0, 0]].tolist() if row.numel() else None
+        if mine is None:
+            return None
+        if len(mine) == dist.get_world_size():
+            name = dist.distributed_c10d._get_default_group().group_name  # as torch: the world's
+        else:
+            name = dist.new_group(ranks=mine, group_desc=f"mesh_{dim_name}").group_name
+        partitions[name] = groups
+        return name
+
+    def mesh(self):
+        if dist.is_initialized() and dist.get_backend() == "fake":
+            if "_meshtrain_mesh" not in self.__dict__:
+                self.__dict__["_meshtrain_mesh"] = mesh_of(self)
+            return self.__dict__["_meshtrain_mesh"]
+        return mesh_of(self)
+
+    equal = DeviceMesh.__eq__
+
+    def same_mesh(self, other) -> bool:
+        # torch compares the rank maps as tuples of Python ints, element by element (131,072
+        # of them at every sharding lookup: 2 s a rank); one vectorized comparison says the same.
+        if isinstance(other, DeviceMesh) and self is not other and dist.is_initialized() \
+                and dist.get_backend() == "fake":
+            return (self._layout == other._layout and self._device_type == other._device_type
+                    and self._mesh_dim_names == other._mesh_dim_names and self._thread_id == other._thread_id
+                    and (self._flatten_rank_map is other._flatten_rank_map  # a deepcopy keeps the tuple
+                         or _equal(self._rank_map, other._rank_map)))
+        return equal(self, other)
+
+    def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the rank maps are real tensors, also inside a traced step
+            return torch.equal(a, b)
+
+    DeviceMesh._init_one_process_group = staticmethod(init_one_process_group)
+    DeviceMesh.mesh = property(mesh)
+    DeviceMesh.__eq__ = same_mesh
+    DeviceMesh._meshtrain_own_groups = True
 
 
 # ---------------------------------------------------------------- memory

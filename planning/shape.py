@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from meshtrain.models import registry
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import STRATEGIES
+from meshtrain.physics.flops import flops_per_token
 from meshtrain.physics.gpus import GPU
 from meshtrain.planning.hardware import Topology, default_topology
 
@@ -149,6 +150,14 @@ class ModelShape:
         the FLOPs count them, as training/metrics.py does with the model's active_parameters())."""
         unused = self.expert_params * (self.n_experts - self.top_k) // self.n_experts if self.n_experts else 0
         return self.n_params - self.moe_layers * unused
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token by the one definition (physics/flops.py), as train.py
+        counts them: a tied output layer is a matmul too; a mixture of experts counts the
+        parameters a token uses (its active ones)."""
+        return flops_per_token(params=self.active_params, embedding=self.embedding,
+                               tied_output=self.head_split if self.tied else 0, n_layers=self.n_layers,
+                               dim=self.dim, seq_len=seq_len)
 
 
 @dataclass(frozen=True)

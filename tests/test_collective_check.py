@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import train
-from meshtrain.planning.collective_check import (RankTrace, check_collectives, compare_stage_boundaries,
-                                       coordinates, play_schedule, representatives)
+from meshtrain.planning.collective_check import (Call, RankTrace, check_collectives, compare_groups,
+                                                 compare_stage_boundaries, coordinates, play_schedule,
+                                                 representatives, stands_for)
 from meshtrain.planning.schedule import Action
 from tests.conftest import ROOT
 from meshtrain.training.config_loader import load_config
@@ -53,6 +54,91 @@ def test_representatives_share_every_group_of_rank_zero_at_512_ranks():
     coords = {r: coordinates(dims, r) for r in reps}
     for dim in ("pp", "dp_shard", "tp"):  # another traced rank differs from rank 0 in this coordinate only
         assert any(c[dim] > 0 and all(c[d] == 0 for d in c if d != dim) for c in coords.values()), dim
+
+
+# The fast check traces one rank per pp coordinate (plus the last of each dimension) and
+# derives every other rank from the traced rank of its pp coordinate; tracing every rank
+# is the reference. Worlds small enough to trace whole, each with ranks left to derive:
+# a pipeline, HSDP (dp_replicate x dp_shard x tp) and expert parallelism.
+WHOLE_WORLDS = {"pp2_dp2_tp2": ("debug_3d", 8, []),
+                "hsdp2x2_tp2": ("debug_2d", 8, ["--parallelism.dp_replicate=2", "--training.global_batch_size=16"]),
+                "ep2_dp4": ("moe_debug", 4, [])}
+
+
+def _both(name, world, overrides):
+    said = []
+    fast = check_collectives(load_config(name, overrides), world, say=said.append)
+    every = check_collectives(load_config(name, overrides), world, exhaustive=True, say=said.append)
+    traced = int(said[0].split("tracing ")[1].split()[0])
+    assert "representative ranks" in said[0] and traced < world, said  # some ranks were left to derive
+    return fast, every
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", WHOLE_WORLDS)
+def test_the_fast_check_finds_what_tracing_every_rank_finds(layout):
+    fast, every = _both(*WHOLE_WORLDS[layout])
+    assert fast == every == []
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_issuing_another_collective_is_found_in_every_group_as_tracing_every_rank_finds(monkeypatch):
+    # The last pp coordinate (ranks 4-7 of pp 2 x dp 2 x tp 2) issues one all-reduce more in
+    # attention: a rank of one role whose program differs. Ranks 5 and 6 are not traced.
+    _plant(monkeypatch, lambda rank: dist.all_reduce(torch.zeros(8)) if rank >= 4 else None)
+    fast, every = _both(*WHOLE_WORLDS["pp2_dp2_tp2"])
+    assert fast == every, "\n".join(fast + ["-- against --"] + every)
+    assert any("group [0, 1, 2, 3, 4, 5, 6, 7]: rank 4 issues 2 more call(s) than rank 0" in p and
+               "all-reduce of [8] float32 during the forward of stage 1" in p for p in fast), fast
+
+
+def _role_traces(dims, traced, extra_on_stage=None, odd_rank=None):
+    """Synthetic traces of a pp x dp world: every rank all-reduces [4] on its dp group and
+    a scalar on the whole world (clipping); ``extra_on_stage``'s ranks all-reduce [2] on the
+    world first; ``odd_rank`` all-reduces [5] instead of [4]."""
+    world, dp = dims.world_size, dims.world_size // dims.pp
+    rows, everyone = torch.arange(world).reshape(dims.pp, dp), torch.arange(world).unsqueeze(0)
+    out = []
+    for rank in traced:
+        mine, world_members = tuple(rows[rank // dp].tolist()), tuple(range(world))
+        extra = [Call("all-reduce", (2,), "float32", "forward")] if rank // dp == extra_on_stage else []
+        calls = {mine: [Call("all-reduce", (5,) if rank == odd_rank else (4,), "float32", "backward")],
+                 world_members: extra + [Call("all-reduce", (), "float32", "gradient clipping")]}
+        out.append(RankTrace(rank, {}, calls=calls, labels={mine: "dp_shard", world_members: "ppxdp_shard"},
+                             partitions={"dp_shard": rows, "ppxdp_shard": everyone}))
+    return out
+
+
+def test_every_group_of_131072_ranks_is_compared_from_six_traces():
+    dims = SimpleNamespace(pp=4, dp_replicate=1, dp_shard=32768, cp=1, tp=1, world_size=131072)
+    reps = representatives(dims)
+    assert len(reps) == 6  # pp coordinates, the last dp_shard rank, the world's last
+    assert compare_groups(_role_traces(dims, reps), stands_for(dims, reps)) == []
+    # A role (pp coordinate 2, ranks 65536-98303, one traced) issuing one collective more:
+    # found in the world's group from its first rank, as tracing every rank would.
+    assert compare_groups(_role_traces(dims, reps, extra_on_stage=2), stands_for(dims, reps)) == [
+        "ppxdp_shard group [0, 1, 2, 3, ..., 131071] (131072): call #1 differs: rank 0 issues all-reduce of [] "
+        "float32 during the gradient clipping; rank 65536 issues all-reduce of [2] float32 during the forward"]
+    # The world's last rank (traced) issuing another shape: found in its own dp group only.
+    assert compare_groups(_role_traces(dims, reps, odd_rank=131071), stands_for(dims, reps)) == [
+        "dp_shard group [98304, 98305, 98306, 98307, ..., 131071] (32768): call #1 differs: rank 98304 issues "
+        "all-reduce of [4] float32 during the backward; rank 131071 issues all-reduce of [5] float32 during the backward"]
+
+
+def test_derived_ranks_give_what_tracing_every_rank_gives():
+    dims = SimpleNamespace(pp=4, dp_replicate=1, dp_shard=4, cp=1, tp=1, world_size=16)
+    reps = representatives(dims)
+    for extra, odd in ((None, None), (2, None), (0, None), (None, 15), (None, 3), (2, 15), (None, 9), (None, 4)):
+        every = compare_groups(_role_traces(dims, range(16), extra, odd), torch.arange(16))
+        fast = compare_groups(_role_traces(dims, reps, extra, odd), stands_for(dims, reps))
+        if odd in (4, 9):
+            # One rank unlike the others of its pp coordinate, where no other rank of that
+            # coordinate is traced (9), or it is the one traced for them (4): the limit of
+            # deriving ranks from their role, stated in the module's docstring.
+            assert every and fast != every, (fast, every)
+        else:
+            assert fast == every, (extra, odd, fast, every)
+    assert every  # the cases above include problems, not only agreement on none
 
 
 def _plant(monkeypatch, collective):

@@ -6,13 +6,45 @@ from meshtrain.training.metrics import (
     device_peak_flops,
     flops_per_token,
     memory_stats,
+    model_flops_per_token,
 )
 
 
 def test_flops_per_token_by_hand():
     # N = 1000, of which 100 embedding; L = 2, h = 8, s = 16:
     # 6 * 900 + 12 * 2 * 8 * 16 = 5400 + 3072
-    assert flops_per_token(1000, 100, 2, 8, 16) == 8472.0
+    assert flops_per_token(params=1000, embedding=100, tied_output=0, n_layers=2, dim=8, seq_len=16) == 8472.0
+    # 40 of the embedding tied to the output layer: a matmul too, 6 * 940 + 3072
+    assert flops_per_token(params=1000, embedding=100, tied_output=40, n_layers=2, dim=8, seq_len=16) == 8712.0
+
+
+def _weights_multiplied(model) -> int:
+    """By hand: the parameters of every module that is not a lookup table; a table tied
+    to the output layer counts there (the same tensor is that Linear's weight)."""
+    from torch import nn
+
+    return sum(p.numel() for mod in model.modules() if not isinstance(mod, nn.Embedding)
+               for p in mod.parameters(recurse=False))
+
+
+def test_the_planner_and_the_trainer_count_the_same_flops_tied_and_untied():
+    from meshtrain.models import registry
+    from meshtrain.planning.shape import ModelShape
+
+    seq = 256
+    for family, tie in (("llama", None), ("gpt2", True), ("gpt2", False)):
+        over = {} if tie is None else {"tie_embeddings": tie}
+        model = registry.get(family).model_class().from_flavor("debug", meta=True, **over)
+        c = model.cfg
+        assert bool(model.tied_weights()) == bool(tie)
+        by_hand = 6 * _weights_multiplied(model) + 12 * c.n_layers * c.dim * seq
+        trainer = model_flops_per_token(model, seq)  # train.py's MFU, and the benchmarks'
+        shape = ModelShape.from_model(model, flavor="debug", n_layers=c.n_layers, family=family,
+                                      learned_positions=registry.get(family).learned_positions)
+        planner = shape.flops_per_token(seq)         # the planner's MFU, and the dry run's estimate
+        assert trainer == planner == by_hand, (family, tie, trainer, planner, by_hand)
+        if tie is None:  # a native flavor, as the planner reads it from its name
+            assert ModelShape.from_flavor("debug", family=family).flops_per_token(seq) == by_hand
 
 
 def test_peak_flops():

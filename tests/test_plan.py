@@ -27,7 +27,6 @@ from meshtrain.planning.report import to_toml
 from meshtrain.planning.search import plan
 from tests.conftest import ROOT
 from meshtrain.training.config_loader import load_config
-from meshtrain.training.metrics import flops_per_token
 
 H100 = get_gpu("h100-80gb")
 
@@ -124,7 +123,7 @@ def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds
     assert e.times["compute"] == pytest.approx(sum(e.compute_split.values()))
     # The model FLOPs at the matmul speed are a lower bound: attention and element-wise
     # work run slower.
-    flops = flops_per_token(m.n_params, m.embedding, m.n_layers, m.dim, s)
+    flops = m.flops_per_token(s)
     assert e.times["compute"] > flops * tokens / t / H100.achievable_flops
     # Full recomputation runs every block's forward again: matmuls +1/3, attention + 1/3.5.
     full = estimate(job70, ParallelDims(**{**lay.__dict__, "ac": "full"}))

@@ -27,9 +27,10 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
     n = sum(p.numel() for p in model.parameters())  # a tied weight once
     if callable(getattr(model, "active_parameters", None)):
         n = model.active_parameters()
-    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
-    lookups -= sum(model.get_parameter(names[0]).numel() for names in model.tied_weights())
-    return flops_per_token(n, lookups, model.cfg.n_layers, model.cfg.dim, seq_len)
+    tables = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    tied = sum(model.get_parameter(names[0]).numel() for names in model.tied_weights())
+    return flops_per_token(params=n, embedding=tables, tied_output=tied, n_layers=model.cfg.n_layers,
+                           dim=model.cfg.dim, seq_len=seq_len)
 
 
 def device_peak_flops(device: torch.device) -> float | None:
