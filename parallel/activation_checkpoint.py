@@ -83,6 +83,12 @@ def apply_compile(blocks, *, root: nn.Module | None = None) -> list[nn.Module]:
     """Compile each block separately: blocks are identical, so one graph is reused for all
     of them, and FSDP's per-block hooks stay outside the compiled regions. ``blocks`` and
     ``root`` as for `apply_ac`; returns the compiled blocks."""
+    # A block that keeps statistics of its forward (a mixture of experts counting its
+    # experts' loads) updates them once per forward; eager checkpointing's recomputation
+    # leaves them alone too (the block asks whether autograd's engine is running). Under
+    # compile, dynamo refuses such updates inside a checkpointed region unless told that
+    # the recomputation need not replay them.
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     out = []
     for parent, name, block in block_slots(blocks, root):
         block = torch.compile(block, fullgraph=True)

@@ -19,7 +19,6 @@ first and last stage sit on rank 0.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 
 import torch
@@ -149,7 +148,9 @@ def build_schedule(name: str, parts: list[tuple[int, nn.Module]], pp_mesh: Devic
 
 # ---- torch's metadata inference, told apart from training
 
-_INFERRING = contextvars.ContextVar("meshtrain_pipeline_metadata_inference", default=False)
+# A plain flag, not a ContextVar: torch.compile traces the read of a module's attribute (and
+# guards on it), where ContextVar.get would break the graph. A schedule runs on one thread.
+_INFERRING = [False]
 
 
 def inferring_stage_metadata() -> bool:
@@ -158,7 +159,7 @@ def inferring_stage_metadata() -> bool:
     the first micro-batch on the first stage, of uninitialized tensors of the right shape
     on the others -- to learn the shapes it sends. A model that keeps statistics of what
     it sees (a mixture of experts counting its experts' loads) leaves these out."""
-    return _INFERRING.get()
+    return _INFERRING[0]
 
 
 def _flag_metadata_inference(stage) -> None:
@@ -170,9 +171,9 @@ def _flag_metadata_inference(stage) -> None:
             continue
 
         def flagged(*args, _method=method, **kwargs):
-            token = _INFERRING.set(True)
+            before, _INFERRING[0] = _INFERRING[0], True
             try:
                 return _method(*args, **kwargs)
             finally:
-                _INFERRING.reset(token)
+                _INFERRING[0] = before
         setattr(stage, name, flagged)

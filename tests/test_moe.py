@@ -242,3 +242,31 @@ def test_all_dense_layers_give_a_twin_of_the_same_active_size():
     routers = sum(p.numel() for layer in moe.moe_layers().values() for n, p in layer.named_parameters()
                   if not n.startswith("experts."))
     assert sum(p.numel() for p in dense.parameters()) == moe.active_parameters() - routers
+
+
+@pytest.mark.slow  # inductor compiles the block on CPU (about half a minute)
+def test_a_compiled_checkpointed_block_routes_counts_and_computes_as_eager():
+    """[compile] with [activation_checkpoint] "full", as parallelize composes them: the block
+    compiled whole (fullgraph) with its experts as bf16 grouped matmuls, counting each
+    forward's loads once although backward recomputes the block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from meshtrain.parallel.activation_checkpoint import apply_compile
+
+    def block_run(compiled: bool):
+        torch.manual_seed(0)
+        model = MoETransformer.from_flavor("debug", meta=True, n_layers=2, n_dense_layers=0)
+        model.init_weights(seed=0, device="cpu")
+        model.to(torch.bfloat16)
+        block = checkpoint_wrapper(model.layers["1"], preserve_rng_state=False)
+        run = apply_compile(torch.nn.ModuleDict({"1": block}))[0] if compiled else block  # parallelize's compile
+        x = torch.randn(2, 32, model.cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+        out = run(x, model.rope_cos[:32], model.rope_sin[:32])
+        out.float().square().sum().backward()
+        return out.detach().float(), x.grad.float(), model.layers["1"].feed_forward.tokens_per_expert.clone()
+
+    eager, compiled = block_run(False), block_run(True)
+    assert torch.equal(compiled[2], eager[2]) and compiled[2].sum() == 2 * 32 * 2  # T x k, counted once
+    torch.testing.assert_close(compiled[0], eager[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=5e-2, atol=5e-2)
+

@@ -69,3 +69,9 @@ def _shipped(name: str) -> str:
     from meshtrain.training.config_loader import CONFIGS_DIR
 
     return str(CONFIGS_DIR / f"{name}.toml")
+
+
+def test_compiling_fp32_experts_is_refused_naming_both_keys():
+    message = refused(train_in_process("--config", "moe_debug", "--compile.enable=true"))
+    assert "--compile.enable=true" in message and 'mixed_precision_param = "float32"' in message, message
+    assert "bfloat16" in message

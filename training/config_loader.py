@@ -173,6 +173,7 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
                           f"Accepted values: {', '.join(flavors)}.")
 
     _check_moe(cfg, sources)
+    _check_moe_compile(cfg, sources)
     _check_optimizer(cfg, sources)
 
     t = cfg.training
@@ -335,6 +336,20 @@ def _check_moe(cfg: JobConfig, sources) -> None:
             settings = ", ".join(f"{k} = {_toml_value(getattr(cfg.moe, k))}" for k in given)
             where = f'[moe] {settings} with [model] flavor = "{cfg.model.flavor}" (its {key} = {getattr(shape, key)})'
         raise ConfigError(f"{where}: {problem}")
+
+
+def _check_moe_compile(cfg: JobConfig, sources) -> None:
+    """A compiled mixture of experts runs its experts as torch._grouped_mm, which compiles
+    in bf16 only (its meta function refuses other dtypes); the per-expert loop splits at
+    data-dependent sizes, which a whole-block graph cannot hold."""
+    if not (cfg.compile.enable and cfg.model.name == "moe") or cfg.training.mixed_precision_param == "bfloat16":
+        return
+    where = _where("compile", "enable", True, sources.get(("compile", "enable")))
+    param = _where("training", "mixed_precision_param", cfg.training.mixed_precision_param,
+                   sources.get(("training", "mixed_precision_param")))
+    raise ConfigError(f'{where} with [model] name = "moe" and {param}: compiled experts run as '
+                      f'torch._grouped_mm, which compiles in bfloat16 only; set mixed_precision_param = '
+                      f'"bfloat16" or compile off')
 
 
 def _check_hf_model(m, sources) -> None:

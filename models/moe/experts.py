@@ -23,7 +23,9 @@ from torch import nn
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` [T, in], in groups of ``tokens_per_expert`` [E], each times its expert's
     ``weight[e]`` [out, in] transposed (as nn.Linear stores it) -> [T, out]."""
-    if x.is_meta or _is_fake(x):  # shape inference (pipeline stages), the dry run
+    # Shape inference (pipeline stages), the dry run; never inside torch.compile, whose
+    # tracing tensors are fake too but whose kernels are the real ones below.
+    if not torch.compiler.is_compiling() and (x.is_meta or _is_fake(x)):
         return _shape_only_linear(x, weight)
     if grouped_mm_supported(x, weight):
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)  # group ends, as the kernel wants
@@ -45,6 +47,8 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
         return False
     aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
+    if torch.compiler.is_compiling():  # the meta function compile traces with takes bf16 only, on any device
+        return x.dtype == torch.bfloat16 and aligned
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and aligned
     return x.device.type == "cpu" and x.dtype == torch.float32 and aligned

@@ -19,6 +19,11 @@ def counts_this_forward(x: torch.Tensor) -> bool:
 
     from meshtrain.parallel.pipeline import inferring_stage_metadata
 
+    if torch.compiler.is_compiling():
+        # A compiled block recomputes inside its backward graph, which replays no buffer
+        # update; its tracing tensors are fake, and the autograd engine's state cannot be
+        # traced: only evaluation and shape inference are left out.
+        return torch.is_grad_enabled() and not inferring_stage_metadata()
     return (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
             and not inferring_stage_metadata() and not x.is_meta and not is_fake(x))
 
