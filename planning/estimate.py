@@ -112,6 +112,7 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
     return Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
                compiled=cfg.compile.enable, trainable=trainable, muon=muon,
                muon_shapes=muon_shapes, ns_steps=cfg.optimizer.ns_steps,
+               float8=cfg.float8.recipe if cfg.float8.enable else "",
                lora=(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.enable else (),
                topology=dataclasses.replace(topology, gpus_per_node=per_node) if topology else None)
 
