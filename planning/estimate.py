@@ -102,14 +102,15 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
     per_node = min(gpus_per_node, world_size)
     counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
     trainable = sum(n for n, grad in counts if grad) / sum(n for n, _ in counts)
-    muon = 0.0
+    muon, muon_shapes = 0.0, ()
     if cfg.optimizer.name == "Muon":
-        from meshtrain.training.muon import hidden_matrices
+        from meshtrain.planning.muon import hidden_shapes
 
-        hidden = hidden_matrices(model, registry.get(cfg.model.name).output_layer)
-        muon = sum(p.numel() for p in hidden) / sum(n for n, grad in counts if grad)
+        muon, muon_shapes = hidden_shapes(model, registry.get(cfg.model.name).output_layer)
     return Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
                compiled=cfg.compile.enable, trainable=trainable, muon=muon,
+               muon_shapes=muon_shapes, ns_steps=cfg.optimizer.ns_steps,
+               float8=cfg.float8.recipe if cfg.float8.enable else "",
                lora=(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.enable else (),
                topology=dataclasses.replace(topology, gpus_per_node=per_node) if topology else None)
 

@@ -37,6 +37,14 @@ FA_BACKWARD = 2.5      # backward / forward FLOPs of flash attention (FlashAtten
 # shape, 10 layers, one 8192-token sequence: 36.9 ms per step, bench/results/2026-11-22_h100_run5.json)
 # is what this count predicts (34 ms), not what a fused norm's 4 bytes would (10 ms).
 RMS_NORM_EAGER = 40
+# [float8] recipe -> how much faster the Linear layers' matmuls run than in bf16 (the
+# output layer, attention and element-wise work stay bf16). From the H100 measurement of
+# docs/benchmarks.md (10 Llama-3-8B blocks, seq 8192, compiled, op-level AC, one GPU:
+# tensorwise 1.16x bf16 tokens/s, rowwise 1.00x): the factor with which this file's split of
+# that step (block matmuls 53% of it) gives 1.16x; rowwise measured no gain. torchao's
+# published end-to-end gains are higher (tensorwise up to 1.25x at 8 GPUs / Llama 3 8B,
+# rowwise 1.12x, torchtitan commit 7a04053): docs/planning.md, Float8.
+FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.36, "rowwise": 1.0}
 LOSS_BYTES = 36        # per logit: fp32 upcast, log-softmax (two reductions), its backward, the bf16 gradient
 
 
@@ -86,7 +94,7 @@ def _bytes_per_token(m, tp: int, compiled: bool) -> float:
 
 
 def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recompute: str,
-                  compiled: bool = False) -> Seconds:
+                  compiled: bool = False, float8: str = "") -> Seconds:
     """One block's forward and backward over ``tokens`` tokens of sequences of ``seq``
     (this GPU holds seq / cp of each, and 1 / tp of the heads and FFN width).
     ``recompute``: "none", "full" (the forward again), "op" (its element-wise work again)."""
@@ -99,7 +107,8 @@ def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recomput
     mem = _bytes_per_token(m, tp, compiled) * tokens
     passes = {"none": (3, 1 + FA_BACKWARD, 3), "full": (4, 2 + FA_BACKWARD, 4), "op": (3, 1 + FA_BACKWARD, 4)}
     k_mm, k_attn, k_mem = passes[recompute]
-    return Seconds(matmul=mm * k_mm / 3 / (peak * gpu.matmul_efficiency),
+    speedup = FLOAT8_MATMUL_SPEEDUP[float8] if float8 else 1.0  # [float8]: the block's Linear layers
+    return Seconds(matmul=mm * k_mm / 3 / (peak * gpu.matmul_efficiency * speedup),
                    attention=attn_fwd * k_attn / (peak * gpu.attention_efficiency),
                    memory=mem * k_mem / gpu.hbm_bandwidth)
 

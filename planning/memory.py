@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.parallel.layout import ParallelDims
+from meshtrain.planning import muon
 from meshtrain.planning.activations import profile_for
 from meshtrain.planning.schedule import rank_actions
 from meshtrain.planning.shape import Job, ModelShape, keeps_gathered, rank_batch, shard_degree
@@ -215,6 +216,9 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
     accumulating = rank_batch(job, lay) > lay.local_batch
     held_grads = FP32 * sharded * grad if accumulating else 0.0
     gathered = lambda *units: BF16 * (local if zero2 else sum(units))
+    # Muon's step (planning/muon.py): the sharded gradients, and what it stacks, gathers
+    # and orthogonalises (SHARD_GRAD_OP and NO_SHARD still hold the gathered bf16 weights).
+    muon_step = (FP32 * sharded * grad, muon.step_transient(job, lay, share) + (BF16 * local if zero2 else 0.0), 0.0)
     # Routing imbalance: the busiest ep rank's experts keep more token copies (Job.moe_imbalance).
     skew = (job.moe_imbalance - 1) * expert_activation_bytes(m, job.seq_len // lay.cp) if lay.ep > 1 else 0.0
     if lay.pp == 1:
@@ -227,6 +231,7 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
             (held_grads, gathered(head), kept + b * (prof.head + prof.forward_extra)),
             (FP32 * sharded * grad, gathered(embed) + (BF16 + FP32) * embed * grad,
              b * (prof.embed + prof.kept(1))),
+            muon_step,
         ]
         mem.grads, mem.transient, mem.activations = max(moments, key=sum)
         return mem
@@ -257,6 +262,8 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
     mem.grads = held_grads
     mem.transient = best[1] + gathered()
     mem.activations = best[2]
+    if sum(muon_step) > mem.grads + mem.transient + mem.activations:
+        mem.grads, mem.transient, mem.activations = muon_step
     return mem
 
 

@@ -108,4 +108,5 @@ def to_toml(e, job: Job, name: str, command: str) -> str:
         *([f"ep = {lay.ep}"] if lay.ep > 1 else []), *pipe,
         f'sharding_strategy = "{lay.strategy}"',
         "sequence_parallel = true", "loss_parallel = true", "",
-        "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", ""])
+        "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", "",
+        *(["[optimizer]", 'name = "Muon"', f"ns_steps = {job.ns_steps}", ""] if job.muon_shapes else [])])

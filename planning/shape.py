@@ -177,6 +177,11 @@ class Job:
     # [optimizer] name = "Muon": the fraction of the trained parameters Muon updates (the
     # hidden matrices), which keep one fp32 moment instead of AdamW's two.
     muon: float = 0.0
+    # ... and its hidden matrices, ((rows, cols, count), ...) over the whole model, and its
+    # Newton-Schulz iterations: the step's compute, all-to-alls and memory (planning/muon.py).
+    muon_shapes: tuple = ()
+    ns_steps: int = 5
+    float8: str = ""  # [float8] recipe when enabled: the blocks' matmuls run faster (planning/kernels.py)
     # A mixture of experts under expert parallelism: the busiest ep rank receives this
     # many times the mean token copies per MoE layer (routing imbalance; docs/planning.md,
     # Mixture of experts: 1.25, Switch Transformer's training capacity factor). It scales

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from meshtrain.parallel.context_parallel import kv_repeats
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
+from meshtrain.planning import muon
 from meshtrain.planning.kernels import block_seconds, expert_seconds, head_seconds
 from meshtrain.planning.memory import (BF16, FP32, expert_shard_degree, largest_unit, rank_params,
                                        rank_sharded_params)
@@ -78,7 +79,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         # this rank runs s / cp tokens of each of the micro-batch's b sequences.
         tokens = b * s / cp
         run = lambda shape, recompute: block_seconds(shape, tokens=tokens, seq=s, tp=t, cp=cp, gpu=gpu,
-                                                     recompute=recompute, compiled=job.compiled)
+                                                     recompute=recompute, compiled=job.compiled, float8=job.float8)
         kept = "op" if lay.ac == "op" else "none"
         seconds = (run(m, "full") * (ckpt - ckpt_moe) + run(m, kept) * (share.layers - n_moe - ckpt + ckpt_moe))
         if n_moe:
@@ -176,16 +177,26 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         exposed = max(0.0, fsdp_time - compute) + n_mb * (gather(unit) + reduce(unit))
     # AdamW is memory-bound: read param, grad, m, v; write param, m, v (fp32), + the grad norm.
     optimizer = 8 * FP32 * sharded / gpu.hbm_bandwidth
+    # Muon (planning/muon.py): Newton-Schulz on the whole matrices this rank owns and the
+    # all-to-alls that bring them and take them back, after the backward: all exposed.
+    # On the pipeline rank with the most layers (the others wait for it at the next step).
+    muon_bytes, muon_time = {}, 0.0
+    if job.muon_shapes:
+        most = max(shares, key=lambda sh: sh.layers)
+        muon_bytes, a2a_time = muon.all_to_all(job, lay, most)
+        muon_time = muon.compute_seconds(job, lay, most) + a2a_time
 
-    step = busy + bubble + exposed + optimizer
+    step = busy + bubble + exposed + optimizer + muon_time
     return StepTime(
         seconds=step,
         comm_bytes={"dp_shard": n_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
                     "tp": max(tp_bytes), "pp": max(pp_bytes), **({"cp": max(cp_bytes)} if cp > 1 else {}),
-                    **({"ep": max(ep_bytes), "dp_shard_mod_ep": n_ag * ag_e + n_rs * rs_e} if ep > 1 else {})},
+                    **({"ep": max(ep_bytes), "dp_shard_mod_ep": n_ag * ag_e + n_rs * rs_e} if ep > 1 else {}),
+                    **{f"muon_{d}": b for d, b in muon_bytes.items()}},
         times={"compute": compute, "tp": tp_time, "pp": pp_time, **({"cp": cp_time} if cp > 1 else {}),
                **({"ep": ep_time} if ep > 1 else {}),
-               "bubble": bubble, "fsdp": exposed, "optimizer": optimizer}, fsdp_comm_time=fsdp_time,
+               "bubble": bubble, "fsdp": exposed, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
+        fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
 
 

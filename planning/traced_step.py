@@ -10,6 +10,7 @@ torch's PipelineStage sets it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -106,9 +107,10 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
     pp_mesh = submesh(mesh, "pp")
     clip_grad_norm_([q for _, part in parts for q in part.parameters()], t.max_norm or 1.0, pp_mesh=pp_mesh)
     comm.phase = "optimizer step"
-    for opt in optimizers.optimizers:
-        if not opt.defaults.get("fused"):
-            opt.step()
+    with gpu_all_to_all():
+        for opt in optimizers.optimizers:
+            if not opt.defaults.get("fused"):
+                opt.step()
     # A fused AdamW step updates parameters and state in place and allocates nothing once
     # its state exists, so it cannot move the peak. It is not traced: under fake tensors
     # some torch versions (2.11) run its out-of-place form, which would count a whole
@@ -117,6 +119,33 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
     # matrices (training/muon.py) are transient memory of its own, and its all-to-alls
     # are communication.
     return traced
+
+
+@contextmanager
+def gpu_all_to_all():
+    """DTensor's Shard -> Shard redistribute as it runs on GPUs: one all-to-all. On a CPU
+    mesh DTensor falls back to all-gather + chunk (gloo has no all-to-all), which
+    materialises the whole tensor and sends W times the bytes; and the fake kernel of its
+    GPU op (_dtensor::shard_dim_alltoall) neither dispatches a collective nor allocates what
+    the GPU does. This is the GPU op's own composition (c10d's shard_dim_alltoall: pack the
+    pieces along dim 0, all_to_all_single, unpack along the gather dim), so the dry run
+    traces its bytes and its buffers (Muon's redistribute, training/muon.py)."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.tensor import placement_types
+
+    def all_to_all(tensor, gather_dim, shard_dim, mesh, mesh_dim):
+        w = mesh.size(mesh_dim)
+        packed = torch.cat(tensor.chunk(w, dim=shard_dim), dim=0)
+        received = funcol.all_to_all_single(packed, None, None, (mesh, mesh_dim))
+        received = received.wait() if isinstance(received, funcol.AsyncCollectiveTensor) else received
+        return torch.cat(received.chunk(w, dim=0), dim=gather_dim)
+
+    cpu_fallback = placement_types.shard_dim_alltoall
+    placement_types.shard_dim_alltoall = all_to_all
+    try:
+        yield
+    finally:
+        placement_types.shard_dim_alltoall = cpu_fallback
 
 
 def pipeline_actions(layout, stage_ids: list[int]) -> list:
