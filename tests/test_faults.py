@@ -15,7 +15,7 @@ from meshtrain.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-STEPS = 16
+STEPS = 10
 DP2_TP2 = ("--parallelism.dp_shard=2", "--parallelism.tp=2")
 
 
