@@ -18,26 +18,16 @@ Dispatch (each token copied once per chosen expert, grouped by expert):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from bench.muon_step import timed
 from meshtrain.models.moe import MoETransformer
 
 
 def timed_ms(fn, device: torch.device, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    """Median milliseconds of ``fn()`` after one warm-up call (bench/muon_step.py's timer)."""
+    return 1e3 * timed(fn, device, repeat)
 
 
 def dispatch_gather(tokens, order, k):
