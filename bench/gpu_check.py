@@ -257,13 +257,18 @@ CPU_SEQ = 128
 
 
 def bench_args(args, layers: int, ac: str, compiled: bool, float8: str | None):
+    return throughput.parse_args(bench_argv(args, layers, ac, compiled, float8))
+
+
+def bench_argv(args, layers: int, ac: str, compiled: bool, float8: str | None) -> list[str]:
+    """bench/throughput.py's options for one row."""
     gpu = args.device == "cuda"
     argv = ["--device", args.device, "--flavor", "8B" if gpu else "debug", "--layers", str(layers),
             "--seq-len", str(8192 if gpu else CPU_SEQ), "--batch", "1", "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--dtype", "bfloat16" if gpu else "float32", "--ac", ac]
     argv += ["--compile", "--compile-loss"] if compiled else []
     argv += ["--float8", "--float8-recipe", float8] if float8 else []
-    return throughput.parse_args(argv)
+    return argv
 
 
 def run_rows(args, layers: int, mesh, device, deadline: float, env: dict, profile_to: Path) -> tuple[list, float, int]:
@@ -417,7 +422,7 @@ def moe_rows(device: torch.device, out: Path, deadline: float) -> dict:
     return result
 
 
-def peer_rows(args, layers: int, device, deadline: float, env: dict) -> dict:
+def peer_rows(args, layers: int, deadline: float) -> dict:
     """meshtrain beside torchtitan (bench/peer_torchtitan.py) in bf16 and float8, or why not."""
     if args.device != "cuda":
         return {"skipped": "CUDA only (torchtitan builds its mesh on CUDA)"}
@@ -426,17 +431,12 @@ def peer_rows(args, layers: int, device, deadline: float, env: dict) -> dict:
         version = peer_torchtitan.torchtitan_version()
     except Exception as err:  # not installed: it is no dependency of meshtrain
         return {"skipped": f"torchtitan does not import: {type(err).__name__}: {err}"}
-    mesh = init_device_mesh(args.device, (1,), mesh_dim_names=("dp_shard",))
     result = {"torchtitan": version, "rows": []}
     for name, float8 in (("bf16", None), ("float8 tensorwise", "tensorwise")):
-        if deadline - time.perf_counter() < 120:
+        if deadline - time.perf_counter() < 240:  # four fresh processes, each compiling
             result["rows"].append({"name": name, "skipped": "the --budget is spent"})
             continue
-        bargs = bench_args(args, layers, "op", True, float8)
-        shape = throughput.new_model(bargs)
-        flops = flops_per_token(sum(p.numel() for p in shape.parameters()), shape.tok_embeddings.weight.numel(),
-                                shape.cfg.n_layers, shape.cfg.dim, shape.cfg.max_seq_len)
-        row = peer_torchtitan.compare(bargs, mesh, device, flops, env["spec_tflops"] * 1e12)
+        row = peer_torchtitan.compare(bench_argv(args, layers, "op", True, float8))
         result["rows"].append({"name": name, **row})
         print(f"gpu_check: peer {name}: meshtrain / torchtitan {_num(row['ratio'], '.3f')}", flush=True)
     return result
@@ -705,7 +705,7 @@ def main(argv=None) -> dict:
             save(result, args.out)
         if "peer" not in args.skip:
             try:
-                result["peer"] = peer_rows(args, layers, device, deadline, env)
+                result["peer"] = peer_rows(args, layers, deadline)
             except Exception as err:
                 result["errors"]["peer"] = f"{type(err).__name__}: {err}"
             save(result, args.out)

@@ -8,7 +8,8 @@ its import pulls in (tyro, datasets, torchdata; docs/benchmarks.md lists them); 
 dependency of meshtrain.
 
 The options are bench/throughput.py's, and both variants train the same Llama shape on the
-same random tokens in the same process, timed by the same loop (throughput.measure):
+same random tokens, timed by the same loop (throughput.measure), each run in a fresh process
+(`--side` runs one), in the order torchtitan, meshtrain, meshtrain, torchtitan:
 
 - torchtitan: its own pieces, as its Trainer assembles them -- the llama3 train spec's
   `Transformer` (its model args with our shape: dim, heads, kv heads, FFN width, vocab,
@@ -23,20 +24,26 @@ same random tokens in the same process, timed by the same loop (throughput.measu
 
 The weights start from each framework's own init, so the loss columns differ; tokens/s,
 peak memory and their ratio are what this compares. `compare` is what bench/gpu_check.py
-calls inside its own process group; `main` sets one up and prints the table.
+calls; `main` prints the table.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from bench import throughput
 from meshtrain.parallel import shutdown_distributed
-from meshtrain.training.metrics import device_peak_flops, flops_per_token
+from meshtrain.training.metrics import device_peak_flops, model_flops_per_token
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # meshtrain's activation checkpointing modes in torchtitan's terms: (mode, selective_ac_option)
 AC_MODES = {"none": ("none", None), "op": ("selective", "op"), "full": ("full", None)}
@@ -169,50 +176,97 @@ def build_torchtitan(args, mesh, device):
     return model, optimizers, step
 
 
-def compare(args, mesh, device, flops: float, peak: float | None) -> dict:
-    """Both variants measured one after the other with throughput.measure; their rows and
-    meshtrain's tokens/s over torchtitan's."""
-    titan = throughput.measure(f"torchtitan {torchtitan_version()}", build_torchtitan, args, mesh, device, flops,
-                               peak, args.compile)
-    ours = throughput.measure(throughput.describe(args), throughput.build_meshtrain, args, mesh, device, flops,
-                              peak, args.compile)
-    both = "error" not in titan and "error" not in ours
-    return {"torchtitan": titan, "meshtrain": ours,
-            "ratio": ours["tokens_per_second"] / titan["tokens_per_second"] if both else None}
+ORDER = ("torchtitan", "meshtrain", "meshtrain", "torchtitan")
+
+
+def measure_side(side: str, args) -> dict:
+    """One side's row (throughput.measure), in this process's world."""
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    mesh = torch.distributed.device_mesh.init_device_mesh(args.device, (dist.get_world_size(),),
+                                                          mesh_dim_names=("dp_shard",))
+    flops = model_flops_per_token(throughput.new_model(args), args.seq_len)  # train.py's MFU definition
+    name, build = {"torchtitan": (f"torchtitan {torchtitan_version()}", build_torchtitan),
+                   "meshtrain": (throughput.describe(args), throughput.build_meshtrain)}[side]
+    return throughput.measure(name, build, args, mesh, device, flops, device_peak_flops(device), args.compile)
+
+
+def compare(argv: list[str], nproc: int = 1, timeout: float = 900) -> dict:
+    """Four runs in the order torchtitan, meshtrain, meshtrain, torchtitan (ABBA, against
+    drift in clocks and temperature), each in a fresh process: on an H100, meshtrain measured
+    after torchtitan in the same process ran 9% slower in float8 than alone (26.1k vs 28.7k
+    tokens/s; no torch config differed between them), so a shared process measures the
+    order, not the code. ``argv``: bench/throughput.py's options. Returns each side's rows,
+    its tokens/s averaged, and meshtrain's over torchtitan's."""
+    runs = {"torchtitan": [], "meshtrain": []}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    for side in ORDER:
+        cmd = [sys.executable, "-m", "bench.peer_torchtitan", *argv, "--side", side]
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "bench.peer_torchtitan", *argv, "--side", side]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rows = [json.loads(line[len(ROW):]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
+        if proc.returncode or not rows:
+            raise RuntimeError(f"the {side} run exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        runs[side].append(rows[0])
+    result = {"order": ", ".join(ORDER) + " (each a fresh process)"}
+    for side, rows in runs.items():
+        result[side] = {**rows[0], "runs": rows}
+        if all("error" not in r for r in rows):
+            n = len(rows)
+            for key in ("tokens_per_second", "tflops", "mfu", "step_seconds"):
+                if rows[0].get(key) is not None:
+                    result[side][key] = sum(r[key] for r in rows) / n
+            result[side]["peak_memory_gib"] = max(r.get("peak_memory_gib") or 0 for r in rows)
+    both = all("error" not in r for rows in runs.values() for r in rows)
+    result["ratio"] = (result["meshtrain"]["tokens_per_second"] / result["torchtitan"]["tokens_per_second"]
+                       if both else None)
+    return result
+
+
+ROW = "PEER_ROW "
 
 
 def main(argv=None) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as both trainers do
-    args = throughput.parse_args(argv)
-    store_file = throughput.init_world(args.device)
-    if args.device == "cpu":
-        torch.set_flush_denormal(True)  # see throughput.main
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    world = dist.get_world_size()
-    mesh = torch.distributed.device_mesh.init_device_mesh(args.device, (world,), mesh_dim_names=("dp_shard",))
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--side", choices=("torchtitan", "meshtrain"), default=None,
+                   help="run only this side, in this process, and print its row (what compare launches)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun); CUDA only for torchtitan")
+    own, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args = throughput.parse_args(rest)
+    if own.side:
+        store_file = throughput.init_world(args.device)
+        if args.device == "cpu":
+            torch.set_flush_denormal(True)  # see throughput.main
+        row = measure_side(own.side, args)
+        if dist.get_rank() == 0:
+            print(ROW + json.dumps(row), flush=True)
+        shutdown_distributed()
+        if store_file and os.path.exists(store_file):
+            os.remove(store_file)
+        return row
+    result = compare(rest, own.nproc)
     shape = throughput.new_model(args)
     num_params = sum(p.numel() for p in shape.parameters())
-    flops = flops_per_token(num_params, shape.tok_embeddings.weight.numel(), shape.cfg.n_layers, shape.cfg.dim,
-                            args.seq_len)
-    peak = device_peak_flops(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = compare(args, mesh, device, flops, peak)
-    result.update(device=name, world_size=world, torch=torch.__version__, torchtitan_version=torchtitan_version(),
-                  flops_per_token=flops, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
-                  shape={"flavor": args.flavor, "n_layers": shape.cfg.n_layers, "dim": shape.cfg.dim,
-                         "params": num_params, "seq_len": args.seq_len, "batch_per_device": args.batch})
-    if dist.get_rank() == 0:
-        print(f"peer_torchtitan: Llama {args.flavor}, {shape.cfg.n_layers} layers, {num_params / 1e6:,.1f}M params | "
-              f"seq {args.seq_len} x batch {args.batch} per device | {args.dtype}, ac={args.ac}"
-              f"{', compile' if args.compile else ''}{', float8' if args.float8 else ''} | {args.steps} steps after "
-              f"{args.warmup} warm-up | {name} x {world} | torch {torch.__version__}, torchtitan {result['torchtitan_version']}")
-        print(throughput.table([result["torchtitan"], result["meshtrain"]], device,
-                               ratio_label="meshtrain / torchtitan"), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-    shutdown_distributed()
-    if store_file and os.path.exists(store_file):
-        os.remove(store_file)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    result.update(device=name, world_size=own.nproc, torch=torch.__version__, torchtitan_version=torchtitan_version(),
+                  flops_per_token=model_flops_per_token(shape, args.seq_len), steps=args.steps, warmup=args.warmup,
+                  dtype=args.dtype, shape={"flavor": args.flavor, "n_layers": shape.cfg.n_layers, "dim": shape.cfg.dim,
+                                           "params": num_params, "seq_len": args.seq_len,
+                                           "batch_per_device": args.batch})
+    print(f"peer_torchtitan: Llama {args.flavor}, {shape.cfg.n_layers} layers, {num_params / 1e6:,.1f}M params | "
+          f"seq {args.seq_len} x batch {args.batch} per device | {args.dtype}, ac={args.ac}"
+          f"{', compile' if args.compile else ''}{', float8' if args.float8 else ''} | {args.steps} steps after "
+          f"{args.warmup} warm-up | {name} x {own.nproc} | torch {torch.__version__}, torchtitan "
+          f"{result['torchtitan_version']} | {result['order']}")
+    for side in ("torchtitan", "meshtrain"):
+        each = ", ".join(f"{r['tokens_per_second']:,.0f}" if "error" not in r else r["error"] for r in result[side]["runs"])
+        print(f"  {side} runs, tokens/s: {each}")
+    print(throughput.table([result["torchtitan"], result["meshtrain"]], torch.device(args.device),
+                           ratio_label="meshtrain / torchtitan"), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
