@@ -31,12 +31,14 @@
 7. operations (CUDA only): a [profiling] window writes its trace and the allocator's
    history pickle; a run made to run out of GPU memory writes rank0_oom.pickle and names it.
 8. float8 (CUDA only): bench/float8_curves.py, train.py for 200 steps in bf16 (two seeds),
-   float8 tensorwise and rowwise; the throughput rows above hold float8's tokens/s.
+   float8 tensorwise and rowwise; the throughput rows above hold float8's tokens/s; then
+   bench/float8_speedup.py, float8 over bf16 with 8 micro-batches a step, fresh processes.
 9. optimizer (CUDA only): bench/muon_step.py, one rank's Muon step against fused AdamW at
    Llama-3-8B's hidden matrices for a shard group of 8.
 10. peer (CUDA, when a released torchtitan imports): bench/peer_torchtitan.py, torchtitan's
    model and parallelize_llama against meshtrain on the throughput rows' shape (compiled,
-   op-level checkpointing), bf16 and float8 tensorwise, tokens/s side by side.
+   op-level checkpointing), bf16 and float8 tensorwise, tokens/s side by side, each run in
+   a fresh process (torchtitan, meshtrain, meshtrain, torchtitan).
 
 Writes DIR/gpu_check.json, DIR/gpu_check.md and DIR/profile.txt (the top kernels of one
 compiled step). A row that would overrun ``--budget`` seconds is reported as skipped,
@@ -442,6 +444,18 @@ def peer_rows(args, layers: int, deadline: float) -> dict:
     return result
 
 
+def float8_speedup_rows(layers: int, deadline: float) -> dict:
+    """float8 tensorwise over bf16 with 8 micro-batches a step (bench/float8_speedup.py): the
+    optimizer's share of the step as on 8 GPUs, where the 1.25x target applies."""
+    if deadline - time.perf_counter() < 240:  # four fresh processes, each compiling
+        return {"skipped": "the --budget is spent"}
+    from bench import float8_speedup
+    try:
+        return float8_speedup.measure("cuda", layers, [8], "tensorwise", steps=3, warmup=1)
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def muon_step_lines(device_type: str) -> dict:
     """bench/muon_step.py's table on the GPU (its CPU numbers are scaled, and slow)."""
     if device_type != "cuda":
@@ -580,6 +594,13 @@ def markdown(result: dict) -> str:
     if result.get("float8_curves", {}).get("runs"):
         from bench import float8_curves
         lines += float8_curves.markdown(result["float8_curves"])
+    speedup = result.get("float8_speedup") or {}
+    if speedup.get("rows"):
+        from bench import float8_speedup
+        lines += ["## float8 over bf16, several micro-batches a step (bench/float8_speedup.py)", "",
+                  *float8_speedup.markdown(speedup), ""]
+    elif speedup:
+        lines += [f"float8 over bf16 with micro-batches: {speedup.get('skipped') or speedup.get('error')}", ""]
     peer = result.get("peer") or {}
     if peer.get("rows"):
         lines += [f"## Side by side with torchtitan {peer['torchtitan']} (compiled, ac op)", "",
@@ -694,6 +715,7 @@ def main(argv=None) -> dict:
                     result["float8_curves"] = float8_curves.run(work / "float8", subprocess_env())
                 except Exception as err:
                     result["errors"]["float8"] = f"{type(err).__name__}: {err}"
+                result["float8_speedup"] = float8_speedup_rows(layers, deadline)
             print(f"gpu_check: float8 curves {result.get('float8_curves', {}).get('runs', {}).keys()}", flush=True)
             save(result, args.out)
         if "optimizer" not in args.skip:

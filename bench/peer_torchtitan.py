@@ -123,6 +123,8 @@ def build_torchtitan(args, mesh, device):
     if world > 1 and device.type == "cpu":
         raise ValueError("torchtitan builds its device mesh on CUDA whenever no accelerator is found: on CPU "
                          "run bench.peer_torchtitan as one process (no torchrun)")
+    if args.accum != 1:
+        raise ValueError("--accum: the torchtitan side runs one micro-batch a step")
     jc = job_config(args, world)
     spec = get_train_spec("llama3")
     parallel_dims = ParallelDims(dp_shard=world, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1,
@@ -185,8 +187,10 @@ def measure_side(side: str, args) -> dict:
     mesh = torch.distributed.device_mesh.init_device_mesh(args.device, (dist.get_world_size(),),
                                                           mesh_dim_names=("dp_shard",))
     flops = model_flops_per_token(throughput.new_model(args), args.seq_len)  # train.py's MFU definition
-    name, build = {"torchtitan": (f"torchtitan {torchtitan_version()}", build_torchtitan),
-                   "meshtrain": (throughput.describe(args), throughput.build_meshtrain)}[side]
+    if side == "torchtitan":
+        name, build = f"torchtitan {torchtitan_version()}", build_torchtitan
+    else:  # needs no torchtitan: bench/float8_speedup.py runs meshtrain's rows this way too
+        name, build = throughput.describe(args), throughput.build_meshtrain
     return throughput.measure(name, build, args, mesh, device, flops, device_peak_flops(device), args.compile)
 
 

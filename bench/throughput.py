@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=None, help="default: 256 on CPU, 8192 on GPU")
     p.add_argument("--batch", type=int, default=None, help="sequences per device per step "
                    "(default: 4 on CPU, 1 on GPU)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step (gradient accumulation): the "
+                   "per-parameter work (optimizer, clipping, gradient reduction) is spread over --accum times "
+                   "the tokens, as it is over the ranks of a many-GPU job, where each steps its shard")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
@@ -113,7 +116,8 @@ def build_meshtrain(args, mesh, device) -> tuple[nn.Module, object, Callable]:
     dp_mesh = submesh(mesh, "dp")
 
     def step(inputs, labels):
-        loss, _ = train_step(model, optimizer, [(inputs, labels)], max_norm=1.0, dp_mesh=dp_mesh, device=device)
+        loss, _ = train_step(model, optimizer, [(inputs, labels)] * args.accum, max_norm=1.0, dp_mesh=dp_mesh,
+                             device=device)
         return loss
 
     return model, optimizer, step
@@ -157,11 +161,14 @@ def build_baseline(args, mesh, device) -> tuple[nn.Module, object, Callable]:
 
     def step(inputs, labels):
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs.to(device)), labels.to(device))
-        loss.backward()
+        total = 0.0
+        for _ in range(args.accum):  # the mean over micro-batches, as train_step reports
+            loss = loss_fn(model(inputs.to(device)), labels.to(device)) / args.accum
+            loss.backward()
+            total = total + loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
-        return loss.item()  # train_step syncs on its loss too
+        return total.item()  # train_step syncs on its loss too
 
     return model, optimizer, step
 
@@ -219,7 +226,7 @@ def measure(name: str, build, args, mesh, device, flops: float, peak: float | No
         model = optimizer = step = None
         _free(device)
         return row
-    tps = args.batch * args.seq_len * args.steps / elapsed  # per device: each rank runs its own batch
+    tps = args.accum * args.batch * args.seq_len * args.steps / elapsed  # per device: each rank runs its own batch
     row.update(tokens_per_second=tps, tflops=tps * flops / 1e12, mfu=tps * flops / peak if peak else None,
                final_loss=loss, step_seconds=elapsed / args.steps)
     if device.type == "cuda":
