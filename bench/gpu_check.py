@@ -39,6 +39,9 @@
    model and parallelize_llama against meshtrain on the throughput rows' shape (compiled,
    op-level checkpointing), bf16 and float8 tensorwise, tokens/s side by side, each run in
    a fresh process (torchtitan, meshtrain, meshtrain, torchtitan).
+11. kernels (CUDA only, run right after the environment): bench/kernel_speeds.py, matmul
+   TFLOP/s per block shape, attention and copy speeds: the planner's per-shape tables
+   (also DIR/kernel_speeds.json).
 
 Writes DIR/gpu_check.json, DIR/gpu_check.md and DIR/profile.txt (the top kernels of one
 compiled step). A row that would overrun ``--budget`` seconds is reported as skipped,
@@ -96,7 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", default="", help="comma-separated row names or 'eager' / 'compile' "
                    f"(default: all; eager rows on CPU). Rows: {'; '.join(ROWS)}")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: checks, throughput, memory, "
-                   "document_masking, moe, operations, float8, optimizer, peer")
+                   "document_masking, moe, operations, float8, optimizer, peer, kernels")
     p.add_argument("--budget", type=float, default=530.0, help="seconds for the whole command: rows that "
                    "would not finish in time are skipped")
     args = p.parse_args(argv)
@@ -444,6 +447,18 @@ def peer_rows(args, layers: int, deadline: float) -> dict:
     return result
 
 
+def kernel_speed_rows(device_type: str, out: Path) -> dict:
+    """bench/kernel_speeds.py: matmul TFLOP/s per shape, attention and copy speeds, the
+    planner's per-shape tables (also written to DIR/kernel_speeds.json)."""
+    if device_type != "cuda":
+        return {"skipped": "CUDA only (python -m bench.kernel_speeds --device cpu --quick is the smoke run)"}
+    from bench import kernel_speeds
+    try:
+        return kernel_speeds.main(["--device", "cuda", "--out", str(out / "kernel_speeds.json")])
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def float8_speedup_rows(layers: int, deadline: float) -> dict:
     """float8 tensorwise over bf16 with 8 micro-batches a step (bench/float8_speedup.py): the
     optimizer's share of the step as on 8 GPUs, where the 1.25x target applies."""
@@ -594,6 +609,14 @@ def markdown(result: dict) -> str:
     if result.get("float8_curves", {}).get("runs"):
         from bench import float8_curves
         lines += float8_curves.markdown(result["float8_curves"])
+    kernels = result.get("kernels") or {}
+    if kernels.get("matmul"):
+        lines += ["## Kernel speeds (bench/kernel_speeds.py)", "", "| m x k x n | TFLOP/s |", "|---|---:|"]
+        lines += [f"| {r['m']} x {r['k']} x {r['n']} | {r['tflops']:.0f} |" for r in kernels["matmul"]]
+        lines += ["", f"Copy {kernels['memory']['copy_gbs']:.0f} GB/s; attention (causal, d 128) " + ", ".join(
+            f"{r['seq']}: {r['tflops']:.0f}" for r in kernels["attention"]) + " TFLOP/s by sequence.", ""]
+    elif kernels:
+        lines += [f"Kernel speeds: {kernels.get('skipped') or kernels.get('error')}", ""]
     speedup = result.get("float8_speedup") or {}
     if speedup.get("rows"):
         from bench import float8_speedup
@@ -667,6 +690,9 @@ def main(argv=None) -> dict:
                 result["errors"]["checks"] = f"{type(err).__name__}: {err}"
             print(f"gpu_check: checks {({k: v for k, v in result['checks'].items() if not k.startswith('losses')})}",
                   flush=True)
+            save(result, args.out)
+        if "kernels" not in args.skip:
+            result["kernels"] = kernel_speed_rows(args.device, args.out)
             save(result, args.out)
         capacity = env["memory_gib"]
         predictions = {}
