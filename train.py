@@ -177,17 +177,15 @@ def run(argv: list[str] | None = None, command=main) -> int:
     keeps its traceback (exit 1). A failed collective or a non-finite step ends with 3,
     said by every rank that sees it."""
     debug = "--debug" in (argv if argv is not None else sys.argv)
-    previous = startup_signals.install()  # first: SIGTERM may come while torch is still importing
+    # First: SIGTERM may come while torch is still importing.
+    previous = startup_signals.install(on_blocked=lambda stop: os._exit(say_stopped(stop)))
     try:
         command(argv)
         return 0
     except startup_signals.StoppedBySignal as stop:
         if debug:
             traceback.print_exc()
-        if os.environ.get("MESHTRAIN_LAUNCHER") != "1":  # each rank got its own signal: each says so
-            print(f"meshtrain: error: {stop}", file=sys.stderr, flush=True)
-        tell_torchrun(f"meshtrain: error: {stop}")
-        return 128 + stop.signum
+        return say_stopped(stop)
     except Exception as err:
         code = exit_code(err)
         if code is None and "torch" in sys.modules:
@@ -205,6 +203,14 @@ def run(argv: list[str] | None = None, command=main) -> int:
         return code
     finally:
         startup_signals.restore(previous)
+
+
+def say_stopped(stop) -> int:
+    """The one line of a rank stopped by a signal during start-up; its exit code."""
+    if os.environ.get("MESHTRAIN_LAUNCHER") != "1":  # each rank got its own signal: each says so
+        print(f"meshtrain: error: {stop}", file=sys.stderr, flush=True)
+    tell_torchrun(f"meshtrain: error: {stop}")
+    return 128 + stop.signum
 
 
 def tell_torchrun(message: str) -> None:

@@ -2,6 +2,7 @@
 one line, exit 128 + 15, no traceback, the saved checkpoints intact, and the same command
 afterwards resumes as if nothing happened."""
 
+import re
 import signal
 
 import pytest
@@ -46,5 +47,10 @@ def test_sigterm_to_one_rank_during_start_up_stops_the_job_without_a_traceback(t
                     timeout=240)
     assert proc.returncode != 0
     assert "meshtrain: error: stopped by SIGTERM during start-up" in proc.stderr, proc.stderr[-3000:]
+    # No rank needed torchrun's SIGKILL: at "config" rank 0's SIGTERM (from torchrun) finds it
+    # blocked in the rendezvous, waiting for rank 1, where Python never runs a handler;
+    # torchrun would kill it 30 s later (exit code -9 in its report) without a word.
+    codes = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", proc.stderr, re.MULTILINE)
+    assert len(codes) == 2 and "-9" not in codes, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if 'File "' in line and str(ROOT) in line]
     assert not ours, proc.stderr[-3000:]  # torchrun's own report may have a traceback; no frame of ours

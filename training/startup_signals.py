@@ -10,13 +10,24 @@ exit code 128 + the signal's number. There is nothing to save yet and nothing wa
 written that a rerun would not redo (the run lock is released with the process).
 GracefulStop replaces the handler for the training loop, where a stop waits for the
 step and checkpoints.
+
+A Python handler only runs between bytecodes: a rank blocked in C -- waiting at the
+process group's rendezvous for a rank that was stopped before reaching it -- would not
+see its SIGTERM, and torchrun kills it 30 s later (SIGKILL, no message). A watcher thread
+reads the signal numbers Python's C handler writes to a wakeup pipe; if the start-up
+handler has not run `BLOCKED_GRACE` seconds later, the main thread is stuck in C, and the
+watcher ends the rank itself with the same one line and exit code.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+BLOCKED_GRACE = 2.0  # seconds: a main thread running Python takes microseconds to handle a signal
 
 
 class StoppedBySignal(BaseException):
@@ -38,6 +49,8 @@ class StoppedBySignal(BaseException):
 class _State:
     phase = "start-up"
     fired = False
+    on_blocked = None  # called with the StoppedBySignal when the main thread cannot raise it
+    wakeup = None      # the pipe's write end, once the watcher runs
 
 
 def _handle(signum, frame) -> None:
@@ -57,16 +70,41 @@ def training_over() -> None:
     _State.phase = "shut-down"
 
 
-def install() -> dict:
+def install(on_blocked=None) -> dict:
     """The start-up handler for SIGTERM and SIGINT (main thread only); returns the previous
-    handlers for `restore`."""
-    _State.fired, _State.phase = False, "start-up"
+    handlers for `restore`. ``on_blocked(stop)``: what to do when the signal arrives while
+    the main thread is blocked in C code -- say ``stop`` and end the process (it must not
+    return)."""
+    _State.fired, _State.phase, _State.on_blocked = False, "start-up", on_blocked
     try:
-        return {sig: signal.signal(sig, _handle) for sig in SIGNALS}
+        previous = {sig: signal.signal(sig, _handle) for sig in SIGNALS}
     except ValueError:  # not the main thread (a test's runner): signals go elsewhere anyway
         return {}
+    if on_blocked is not None:
+        if _State.wakeup is None:
+            read, _State.wakeup = os.pipe()
+            os.set_blocking(_State.wakeup, False)
+            threading.Thread(target=_watch, args=(read,), name="meshtrain-startup-signals", daemon=True).start()
+        signal.set_wakeup_fd(_State.wakeup, warn_on_full_buffer=False)
+    return previous
+
+
+def _watch(read: int) -> None:
+    while True:
+        signum = os.read(read, 1)[0]
+        if signum not in SIGNALS:
+            continue
+        time.sleep(BLOCKED_GRACE)
+        # Still the start-up handler, and it never ran: the main thread is blocked in C.
+        if (not _State.fired and _State.phase == "start-up" and _State.on_blocked is not None
+                and signal.getsignal(signum) is _handle):
+            _State.fired = True
+            _State.on_blocked(StoppedBySignal(signum, "start-up"))
 
 
 def restore(previous: dict) -> None:
+    _State.on_blocked = None
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+    if previous and _State.wakeup is not None:
+        signal.set_wakeup_fd(-1)
