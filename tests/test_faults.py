@@ -55,6 +55,9 @@ def test_three_sigkills_under_torchrun_restarts_lose_nothing(out, uninterrupted)
     assert proc.returncode == 0, f"plan {plan}\n" + proc.stderr[-4000:]
     # Each restart resumed from a checkpoint at or before the step its kill came at.
     assert proc.stdout.count("resumed at step") == 3, f"plan {plan}\n" + proc.stdout[-3000:]
+    # After each kill the live ranks ended on their own: none waited out torchrun's grace
+    # period for its SIGKILL (their hang reports do not wait for a dead rank's record).
+    assert "forcefully exiting via 9" not in proc.stderr, f"plan {plan}\n" + proc.stderr[-4000:]
     assert torch.equal(losses(out, "killed"), uninterrupted), f"plan {plan}"
 
 

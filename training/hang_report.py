@@ -171,8 +171,14 @@ class HangWatch:
         self.stop()
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         self.write(f"a collective failed: {first}", err)
-        # A stalled rank's watchdog writes within a poll or two of the timeout.
-        text = summarize(self.records(wait=2 * self.poll_seconds() + 5), self.world_size)
+        # After a timeout a stalled rank's watchdog writes within a poll or two. After a peer
+        # closed its connection (it died), there is no stalled rank to wait for: the live ones
+        # write as their own errors surface, some only once this rank exits and closes its
+        # connections -- waiting for them would outlast torchrun's 30 s grace, ending in SIGKILL.
+        text_of_err = str(err).lower()
+        peer_gone = any(w in text_of_err for w in ("connection closed", "connection reset", "broken pipe"))
+        wait = 1.0 if peer_gone else 2 * self.poll_seconds() + 5
+        text = summarize(self.records(wait=wait), self.world_size)
         _write_atomically(self.folder / "summary.txt", text)
         return text
 
