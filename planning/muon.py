@@ -12,9 +12,10 @@ Newton-Schulz (torch.optim._muon._zeropower_via_newtonschulz), on an m x n matri
 so m <= n, per iteration: X X^T (2 m^2 n FLOPs), then addmm(A, A, A) (2 m^3) and
 addmm(X, B, X) (2 m^2 n): 4 m^2 n + 2 m^3, bf16, `ns_steps` iterations (5 by default).
 
-Groups are by shape: under TP a colwise and a rowwise matrix of one shape (Llama's wq and
-wo) are two groups in training/muon.py and one here, which changes the padding (and so
-the bytes) only where the layers on a rank are not a multiple of W.
+Groups are by shape and layout, as training/muon.py forms them: under TP a colwise and a
+rowwise matrix of one shape (Llama's wq and wo) are sharded differently, so two groups,
+each padded to a multiple of W on its own; without TP all are sharded alike and one shape
+is one group.
 """
 
 from __future__ import annotations
@@ -29,16 +30,21 @@ BF16 = 2
 
 
 def hidden_shapes(model, output_layer: str) -> tuple[float, tuple]:
-    """(the fraction of the trained parameters Muon updates, ((rows, cols, count), ...) of
-    its matrices): Job.muon and Job.muon_shapes of a model (on meta) and its output layer."""
+    """(the fraction of the trained parameters Muon updates, ((rows, cols, count, tp style),
+    ...) of its matrices): Job.muon and Job.muon_shapes of a model (on meta) and its output
+    layer. The tp style is the name of the ParallelStyle the model's TP plan gives the
+    matrix's module ("ColwiseParallel", "RowwiseParallel"; "" where it has none)."""
     from collections import Counter
 
     from meshtrain.training.muon import hidden_matrices
 
+    plan = model.tp_plan()
+    styles = {id(p): type(plan[name]).__name__ if name in plan else ""
+              for name, module in model.named_modules() for p in module.parameters(recurse=False)}
     hidden = hidden_matrices(model, output_layer)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    shapes = Counter(tuple(p.shape) for p in hidden)
-    return sum(p.numel() for p in hidden) / trained, tuple((r, c, k) for (r, c), k in sorted(shapes.items()))
+    shapes = Counter((*p.shape, styles.get(id(p), "")) for p in hidden)
+    return sum(p.numel() for p in hidden) / trained, tuple((r, c, k, s) for (r, c, s), k in sorted(shapes.items()))
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
@@ -53,12 +59,17 @@ def owners(lay: ParallelDims) -> int:
 
 
 def rank_groups(job: Job, lay: ParallelDims, share: RankShare) -> list[tuple[int, int, int]]:
-    """(rows, cols, padded k) of each shape group on a pipeline rank holding ``share``:
-    job.muon_shapes counts the whole model's hidden matrices, all inside blocks, so a rank
-    holds its layers' share of them."""
+    """(rows, cols, padded k) of each group on a pipeline rank holding ``share``: matrices of
+    one shape, and under TP of one TP style. job.muon_shapes counts the whole model's hidden
+    matrices, all inside blocks, so a rank holds its layers' share of them."""
+    from collections import Counter
+
     w = owners(lay)
+    groups = Counter()
+    for r, c, k, style in job.muon_shapes:
+        groups[(r, c, style if lay.tp > 1 else "")] += k
     return [(r, c, math.ceil(round(k * share.layers / job.model.n_layers) / w) * w)
-            for r, c, k in job.muon_shapes]
+            for (r, c, _), k in sorted(groups.items())]
 
 
 def compute_seconds(job: Job, lay: ParallelDims, share: RankShare) -> float:

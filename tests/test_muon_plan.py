@@ -36,6 +36,9 @@ POINTS = {  # name -> (layers, layout)
     "fsdp8": (16, dict(dp_shard=8, ac="full", micro_batch=1)),
     "fsdp4_tp2": (8, dict(dp_shard=4, tp=2, ac="full", micro_batch=1)),
     "hsdp2x4": (8, dict(dp_shard=2, dp_replicate=4, strategy="HYBRID_SHARD", ac="full", micro_batch=1)),
+    # 3 layers: wq's and wo's three matrices each (colwise, rowwise: two groups under TP)
+    # pad to 8 apiece; taken as one group of 6 they would pad to 8 in all.
+    "fsdp4_tp2_3_layers": (3, dict(dp_shard=4, tp=2, ac="full", micro_batch=1)),
 }
 
 
@@ -69,7 +72,11 @@ def test_each_rank_orthogonalises_ceil_k_over_w_of_each_shape_at_the_matmul_spee
     hand = math.ceil(32 / 8) * one_layer / (H100.peak_bf16_flops * H100.matmul_efficiency)
     assert muon.compute_seconds(job, lay, rank_shares(job, lay)[0]) == pytest.approx(hand, rel=1e-12)
     e = estimate(job, lay)
-    a2a = 2 * sum(job.net.seconds("all-to-all", 2 * k * r * c / 8, 8, 1) for r, c, k in job.muon_shapes)
+    # Without TP every matrix of one shape is sharded alike: one group per shape (wq and wo
+    # together, wk and wv together), 64 matrices each for 4096^2 and 1024 x 4096.
+    by_shape = {(dim, dim): 64, (kv, dim): 64, (ffn, dim): 64, (dim, ffn): 32}
+    assert sum(k for _, _, k, _ in job.muon_shapes) == sum(by_shape.values())
+    a2a = 2 * sum(job.net.seconds("all-to-all", 2 * k * r * c / 8, 8, 1) for (r, c), k in by_shape.items())
     assert e.times["muon"] == pytest.approx(hand + a2a, rel=1e-12)
     plain = estimate(Job(job.model, H100, 1, 8, job.seq_len, 8), lay)
     assert e.step_time - plain.step_time == pytest.approx(e.times["muon"] + e.times["optimizer"]
