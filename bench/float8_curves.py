@@ -42,7 +42,7 @@ def command(out: Path, name: str, steps: int, device_type: str) -> list[str]:
 
 def run(out: Path, env: dict, steps: int = 200, device_type: str = "cuda") -> dict:
     """The four runs at once (small: they share the GPU), judged from their TensorBoard files."""
-    from bench.gpu_check import logged
+    from bench.gpu_runs import logged
 
     out.mkdir(parents=True, exist_ok=True)
     procs = {name: subprocess.Popen(command(out, name, steps, device_type), cwd=ROOT, env=env,
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
-    from bench.gpu_check import subprocess_env
+    from bench.gpu_runs import subprocess_env
 
     result = run(args.out, subprocess_env(), args.steps, args.device)
     (args.out / "float8_curves.json").write_text(json.dumps(result, indent=2) + "\n")
