@@ -52,41 +52,50 @@ def signature(block: nn.Module) -> list:
 
 
 def collapse(cfg, model: nn.Module, layout):
-    """(the layout to build with, {stage: its real number of blocks}) for the stages whose
-    blocks are alike and more than KEEP; the model loses the blocks no stage keeps (on
-    meta: nothing is freed or copied). ``layout`` itself is left as it is."""
+    """(the layout to build with, {block name: (stage, run, position)} of the blocks kept,
+    {(stage, run): its real number of blocks}). A run is a stretch of a stage's blocks that
+    are alike; each run of more than KEEP keeps its first KEEP. The model loses the blocks
+    no stage keeps (on meta: nothing is freed or copied); ``layout`` is left as it is."""
     blocks = getattr(model, "transformer_blocks", lambda: None)()
     if not isinstance(blocks, nn.ModuleDict) or cfg.activation_checkpoint.mode == "selective":
-        return layout, {}
+        return layout, {}, {}
     stages = layout.stage_layers or [[int(k) for k in blocks]]
-    kept, real = [], {}
+    kept, tags, real = [], {}, {}
     for s, ids in enumerate(stages):
-        alike = len(ids) > KEEP and all(signature(blocks[str(i)]) == signature(blocks[str(ids[0])])
-                                        for i in ids[1:])
-        kept.append(ids[:KEEP] if alike else ids)
-        if alike:
-            real[s] = len(ids)
+        runs = []  # (signature, ids)
+        for i in ids:
+            sig = signature(blocks[str(i)])
+            if runs and runs[-1][0] == sig:
+                runs[-1][1].append(i)
+            else:
+                runs.append((sig, [i]))
+        kept.append([])
+        for r, (_, run) in enumerate(runs):
+            if len(run) > KEEP:
+                real[s, r] = len(run)
+                tags.update({str(i): (s, r, k) for k, i in enumerate(run[:KEEP])})
+                run = run[:KEEP]
+            kept[-1] += run
     if not real:
-        return layout, {}
+        return layout, {}, {}
     if layout.stage_layers is None:
         for name in [k for k in blocks if int(k) not in kept[0]]:
             del blocks[name]
-        return layout, real
+        return layout, tags, real
     built = copy.copy(layout)
     built.stage_layers = kept
-    return built, real
+    return built, tags, real
 
 
 class BlockTags:
     """Tags each collective with (stage, position) of the block it is issued for (see the
     module docstring), or None outside the collapsed stages' blocks."""
 
-    def __init__(self, parts, real: dict[int, int]):
-        self.of = {}  # block module (as wrapped) -> (stage, position)
-        for s, part in parts:
-            if s in real:
-                for k, block in enumerate(part.transformer_blocks().values()):
-                    self.of[block] = (s, k)
+    def __init__(self, parts, tags: dict[str, tuple]):
+        # block module (as wrapped) -> (stage, run, position); the stage's ModuleDict keeps
+        # the whole model's block names
+        self.of = {block: tags[name] for _, part in parts if tags
+                   for name, block in part.transformer_blocks().items() if name in tags}
         self.running, self.owner = [], []
 
     def current(self):
@@ -133,19 +142,19 @@ class BlockTags:
         return owned
 
 
-def expand(calls: list, tags: list, real: dict[int, int]) -> list:
+def expand(calls: list, tags: list, real: dict[tuple, int]) -> list:
     """The sequence the whole stages issue: each run of a middle block's calls, once per
-    middle block of the real stage."""
+    middle block of the real run of alike blocks."""
     out, i = [], 0
     while i < len(calls):
         tag = tags[i]
-        if tag is None or tag[0] not in real or tag[1] in (0, KEEP - 1):
+        if tag is None or tag[2] in (0, KEEP - 1):
             out.append(calls[i])
             i += 1
             continue
         j = i
         while j < len(calls) and tags[j] == tag:
             j += 1
-        out += calls[i:j] * (real[tag[0]] - KEEP + 1)
+        out += calls[i:j] * (real[tag[:2]] - KEEP + 1)
         i = j
     return out

@@ -68,10 +68,11 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int, *,
 
     init_fake_world(rank, world_size)
     try:
-        real = {}  # collapsed stage -> its real number of blocks
+        tags, real = {}, {}  # kept block -> (stage, run, position); (stage, run) -> its real length
 
         def fewer_blocks(model, layout):
-            built, found = collapse(cfg, model, layout)
+            built, kept, found = collapse(cfg, model, layout)
+            tags.update(kept)
             real.update(found)
             return built
 
@@ -83,9 +84,9 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int, *,
             for m in modules:
                 m.to_empty(device="cpu")
             optimizers, _ = recipe.build_optimizer(cfg, modules)
-            tags = BlockTags(parts, real)
-            recorder = RecordCollectives(mesh_group_names(mesh), trace, tag=tags.current)
-            with recorder, tags:
+            block_tags = BlockTags(parts, tags)
+            recorder = RecordCollectives(mesh_group_names(mesh), trace, tag=block_tags.current)
+            with recorder, block_tags:
                 actions = one_microbatch([s for s, _ in parts]) if layout.stage_layers else None
                 trace_step(cfg, layout, mesh, parts, optimizers, model.cfg, recorder, None, actions)
             trace.stage_io = {s: io for s, io in recorder.stage_io.items()}
