@@ -1,27 +1,26 @@
 """Trace three of a stage's alike blocks, not all of them, and expand what they issue.
 
-A 405B stage holds 8 blocks (126 in all); the collective check traced every one on
+A 405B stage holds 7 or 8 of the 126 blocks; the collective check traced every one on
 every traced rank: most of its time at 512 ranks. Blocks that are alike -- the same
-class, submodules, parameter and buffer shapes, plain attributes and hooks -- run the
+classes, plain attributes, hooks, parameter and buffer shapes (`signature`) -- run the
 same code on the same shapes, so each issues the same collectives, except where a block
-is next to the stage's ends: FSDP gathers the first block to run backward itself and each
-block prefetches the one that runs after it; the stage's embedding or head come before
-and after. What a block issues depends on its own position only through its neighbours.
+is next to something else: FSDP gathers the first block to run backward itself and each
+other block is prefetched by the one after it; the stage's embedding and head come before
+and after. What a block issues depends on its position only through its neighbours.
 
-So a stage of n alike blocks (n > 3) is built with its first three and traced: the first
-block, one middle block, the last. Every collective is tagged with the block it was
-issued for (`BlockTags`): the block whose forward, recomputation or backward is running
-(a prefetch is issued in the backward of the block before it), else the block whose FSDP
-group the call belongs to (a pipeline stage reduces its gradients after the step's last
-backward, outside any block). In each group's sequence, each run of the middle block's
-calls stands for every middle block of the real stage: it is repeated n - 2 times
-(`expand`). tests/test_collective_check.py checks the expanded sequences equal those of
-tracing every block, call for call, on each kind of layout, and that a model whose blocks
-differ is traced whole.
+So a stretch ("run") of n > 3 alike blocks of a stage is built with its first three and
+traced: the first, one middle block, the last (`collapse`). Every collective is tagged
+with the block it was issued for (`BlockTags`): the block whose forward, recomputation or
+backward is running, else the block whose FSDP group the call belongs to (a pipeline
+stage reduces its gradients after the step's last backward, outside any block). In each
+group's sequence, each stretch of the middle block's calls stands for every middle block
+of the run: it is repeated n - 2 times (`expand`). docs/dry_run.md argues it;
+tests/test_collective_check.py checks the expanded sequences equal tracing every block,
+call for call, on seven layouts, and that a block unlike the others is traced.
 
 Not collapsed: blocks in a ModuleList (Hugging Face models: their forward slices the list
-by the config's depth), selective activation checkpointing (every k-th block is wrapped:
-blocks differ by position), and any stage whose blocks are not alike.
+by the config's depth) and selective activation checkpointing (every k-th block is
+wrapped: blocks differ by position).
 """
 
 from __future__ import annotations
