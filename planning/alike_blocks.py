@@ -87,8 +87,8 @@ def collapse(cfg, model: nn.Module, layout):
 
 
 class BlockTags:
-    """Tags each collective with (stage, position) of the block it is issued for (see the
-    module docstring), or None outside the collapsed stages' blocks."""
+    """Tags each collective with (stage, run, position) of the kept block it is issued for
+    (see the module docstring), or None outside the collapsed runs' blocks."""
 
     def __init__(self, parts, tags: dict[str, tuple]):
         # block module (as wrapped) -> (stage, run, position); the stage's ModuleDict keeps
@@ -142,8 +142,8 @@ class BlockTags:
 
 
 def expand(calls: list, tags: list, real: dict[tuple, int]) -> list:
-    """The sequence the whole stages issue: each run of a middle block's calls, once per
-    middle block of the real run of alike blocks."""
+    """The sequence the real stages issue: each stretch of consecutive calls of a middle
+    block, once per middle block of its real run of alike blocks."""
     out, i = [], 0
     while i < len(calls):
         tag = tags[i]
