@@ -25,9 +25,14 @@ def build_from_flavor(cls, flavors: dict, family: str, flavor: str, *, meta: boo
 def cut_stage(model: nn.Module, layer_ids: list[int], *, drop: list[str]) -> nn.Module:
     """A copy of ``model`` keeping only ``layer_ids`` of its ``layers`` ModuleDict, with the
     attributes in ``drop`` set to None. Parameter names stay the whole model's, so init
-    and checkpoints do not depend on where the cut falls. Copying a meta model is free."""
-    stage = copy.deepcopy(model)
+    and checkpoints do not depend on where the cut falls. Copying a meta model allocates
+    nothing; the blocks and modules the stage does not keep are not copied at all (they
+    enter the copy as None and are removed): copying all of a 126-block model for each
+    stage took 0.4 s of Python."""
     keep = {str(i) for i in layer_ids}
+    left_out = [block for name, block in model.layers.items() if name not in keep]
+    left_out += [getattr(model, name) for name in drop if getattr(model, name) is not None]
+    stage = copy.deepcopy(model, {id(module): None for module in left_out})
     for name in [n for n in stage.layers if n not in keep]:
         del stage.layers[name]
     for name in drop:

@@ -25,13 +25,15 @@ from meshtrain.training import recipe
 from meshtrain.training.step import cross_entropy
 
 
-def build_rank(cfg, world_size: int, gpus_per_node: int):
-    """(model, layout, mesh, parts) of this rank, as train.py builds them, on meta."""
+def build_rank(cfg, world_size: int, gpus_per_node: int, cut=None):
+    """(model, layout, mesh, parts) of this rank, as train.py builds them, on meta.
+    ``cut(model, layout)``: the layout the parts are cut with instead (the collective
+    check's stages of fewer blocks, planning/alike_blocks.py)."""
     cfg.job.device = "cpu"  # fake tensors live on the CPU; the layout checks are the same
     model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
     mesh = layout.build_mesh("cpu")
-    parts = recipe.build_parts(cfg, layout, mesh, model).parts
+    parts = recipe.build_parts(cfg, cut(model, layout) if cut else layout, mesh, model).parts
     for param in (q for _, m in parts for q in m.parameters()):
         if isinstance(param, DTensor):
             _whole_group(param.device_mesh)  # made now: creating groups under fake tensors fails

@@ -30,11 +30,10 @@ def test_every_shipped_config_is_listed():
     assert {p.stem for p in (ROOT / "configs").glob("*.toml")} == set(SHIPPED)
 
 
-# Every block of a model issues the same collectives, so a hang shows in a few blocks as
-# well as in all of them: the full-size configs are traced with fewer blocks (their
-# layout, world size and widths unchanged) -- the trace costs a block at a time. 405B
-# keeps an uneven split (18 blocks on its 16 stages, as 126 is) so stages differ in length.
-FEWER_BLOCKS = {"llama70b_2d": 4, "gpt2_175b": 4, "llama3_8b": 4, "llama3_8b_128k": 4, "llama405b_3d": 18}
+# Stages of alike blocks are traced with three of them (planning/alike_blocks.py), so the
+# configs are checked at their real depth (70B's 80 blocks in 3 s); 405B with 18 blocks
+# (1-2 a stage, uneven as its 126 are on 16 stages) keeps the test at 9 s instead of 13.
+FEWER_BLOCKS = {"llama405b_3d": 18}
 
 
 @pytest.mark.slow
@@ -61,6 +60,7 @@ def test_representatives_share_every_group_of_rank_zero_at_512_ranks():
 # is the reference. Worlds small enough to trace whole, each with ranks left to derive:
 # a pipeline, HSDP (dp_replicate x dp_shard x tp) and expert parallelism.
 WHOLE_WORLDS = {"pp2_dp2_tp2": ("debug_3d", 8, []),
+                "pp2_dp2_tp2_6_blocks_a_stage": ("debug_3d", 8, ["--model.n_layers=12"]),
                 "hsdp2x2_tp2": ("debug_2d", 8, ["--parallelism.dp_replicate=2", "--training.global_batch_size=16"]),
                 "ep2_dp4": ("moe_debug", 4, [])}
 
@@ -90,6 +90,81 @@ def test_a_pipeline_stage_issuing_another_collective_is_found_in_every_group_as_
     assert fast == every, "\n".join(fast + ["-- against --"] + every)
     assert any("group [0, 1, 2, 3, 4, 5, 6, 7]: rank 4 issues 2 more call(s) than rank 0" in p and
                "all-reduce of [8] float32 during the forward of stage 1" in p for p in fast), fast
+
+
+# A stage of more than three alike blocks is traced with three, the middle one's calls
+# repeated for every middle block (planning/alike_blocks.py); tracing every block is the
+# reference. One rank of each kind of layout, where the ends of a stage differ most: the
+# last pipeline stage (the head, the loss), FULL_SHARD's backward prefetch, no pipeline,
+# each activation checkpointing mode, experts, tied embeddings, interleaved stages.
+EXPANDED = {
+    "pp_last_stage": ("debug_3d", 8, 7, ["--model.n_layers=12"]),
+    "pp_full_shard_full_ac": ("debug_3d", 8, 5, ["--model.n_layers=12", "--activation_checkpoint.mode=full",
+                                                 "--parallelism.sharding_strategy=FULL_SHARD"]),
+    "interleaved": ("debug_3d", 8, 2, ["--model.n_layers=16", "--parallelism.pp_schedule=Interleaved1F1B",
+                                       "--parallelism.pp_stages_per_rank=2", "--activation_checkpoint.mode=full"]),
+    "no_pipeline_no_ac": ("debug_2d", 4, 1, ["--model.n_layers=7", "--activation_checkpoint.mode=none"]),
+    "no_pipeline_op_ac": ("debug_2d", 4, 2, ["--model.n_layers=6", "--activation_checkpoint.mode=op"]),
+    "experts": ("moe_debug", 4, 3, ["--model.n_layers=7"]),
+    "tied_embeddings": ("gpt2_debug_3d", 8, 6, ["--model.n_layers=10"]),
+}
+
+
+def _every_block_and_expanded(monkeypatch, name, world, rank, overrides):
+    from meshtrain.planning import collective_check
+    from meshtrain.planning.fake_world import one_thread
+
+    collapsed = []
+    collapse = collective_check.collapse
+
+    def noted(*args):
+        built, tags, real = collapse(*args)
+        collapsed.append(real)
+        return built, tags, real
+
+    monkeypatch.setattr(collective_check, "collapse", noted)
+    with one_thread():
+        every, _ = collective_check.trace_rank(load_config(name, overrides), world, rank, 8, every_block=True)
+        assert not collapsed
+        expanded, _ = collective_check.trace_rank(load_config(name, overrides), world, rank, 8)
+    return every, expanded, collapsed[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", EXPANDED)
+def test_three_traced_blocks_expanded_issue_what_every_block_issues(monkeypatch, layout):
+    every, expanded, collapsed = _every_block_and_expanded(monkeypatch, *EXPANDED[layout])
+    assert collapsed and all(n > 3 for n in collapsed.values()), collapsed  # stages were traced with fewer blocks
+    assert expanded.labels == every.labels and expanded.stage_io == every.stage_io
+    assert expanded.calls == every.calls  # every group's sequence, call for call
+
+
+@pytest.mark.slow
+def test_a_block_unlike_the_others_keeps_its_stage_whole(monkeypatch):
+    # Block 4 of the first stage (blocks 0-5) is flagged and issues one all-reduce more: a
+    # middle block, which collapsing the stage would leave out. It is traced, as is block
+    # 5 after it: only the alike blocks 0-3 before it (and 6-11, the other stage) are
+    # collapsed, and the extra call is there as tracing every block has it.
+    from meshtrain.models.llama import model as llama
+
+    built = llama.Llama.__init__
+
+    def flag_block_4(self, cfg):
+        built(self, cfg)
+        self.layers["4"].issues_more = True
+
+    def forward(self, *args, **kwargs):
+        if getattr(self, "issues_more", False):
+            dist.all_reduce(torch.zeros(3))
+        return block_forward(self, *args, **kwargs)
+
+    block_forward = llama.TransformerBlock.forward
+    monkeypatch.setattr(llama.Llama, "__init__", flag_block_4)
+    monkeypatch.setattr(llama.TransformerBlock, "forward", forward)
+    every, expanded, collapsed = _every_block_and_expanded(monkeypatch, "debug_3d", 8, 0, ["--model.n_layers=12"])
+    assert list(collapsed) == [(0, 0), (1, 0)], collapsed  # runs: blocks 0-3 | 4 | 5, and 6-11
+    assert expanded.calls == every.calls
+    assert any(c.shape == (3,) for calls in expanded.calls.values() for c in calls)
 
 
 def _role_traces(dims, traced, extra_on_stage=None, odd_rank=None):
