@@ -61,7 +61,8 @@ def run_command(name: str, argv: list[str]) -> int:
     if name in ("dry-run", "check"):
         from meshtrain import train
 
-        flags = ["--dry-run"] + (["--check-collectives"] if name == "check" else [])
+        # check: the collectives alone (dry-run --check-collectives adds the memory report first)
+        flags = ["--check-collectives"] if name == "check" else ["--dry-run"]
         if {"-h", "--help"} & set(argv):
             print(f"usage: meshtrain {name} --config NAME --world-size N [--rank R] [--gpus-per-node G] "
                   f"[--gpu h100-80gb] [--section.key VALUE ...]\n\n{COMMANDS[name]}.\n"

@@ -35,12 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_config:
         print(config_to_toml(cfg), end="")
         return
-    if args.dry_run:
-        from meshtrain.planning.dry_run import dry_run
-
+    if args.dry_run or args.check_collectives:  # fake tensors on a fake world: nothing launches
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
-        report = dry_run(cfg, world_size, args.rank, args.gpus_per_node, gpu=args.gpu)
-        hangs = []
+        report, hangs = {}, []
+        if args.dry_run:
+            from meshtrain.planning.dry_run import dry_run
+
+            report = dry_run(cfg, world_size, args.rank, args.gpus_per_node, gpu=args.gpu)
         if args.check_collectives:
             from meshtrain.planning.collective_check import check_collectives
 
@@ -178,14 +179,14 @@ def run(argv: list[str] | None = None, command=main) -> int:
     said by every rank that sees it."""
     debug = "--debug" in (argv if argv is not None else sys.argv)
     # First: SIGTERM may come while torch is still importing.
-    previous = startup_signals.install(on_blocked=lambda stop: os._exit(say_stopped(stop)))
+    previous = startup_signals.install(on_blocked=lambda stop: os._exit(say_stopped_at_start_up(stop)))
     try:
         command(argv)
         return 0
     except startup_signals.StoppedBySignal as stop:
         if debug:
             traceback.print_exc()
-        return say_stopped(stop)
+        return say_stopped_at_start_up(stop)
     except Exception as err:
         code = exit_code(err)
         if code is None and "torch" in sys.modules:
@@ -205,7 +206,7 @@ def run(argv: list[str] | None = None, command=main) -> int:
         startup_signals.restore(previous)
 
 
-def say_stopped(stop) -> int:
+def say_stopped_at_start_up(stop) -> int:
     """The one line of a rank stopped by a signal during start-up; its exit code."""
     if os.environ.get("MESHTRAIN_LAUNCHER") != "1":  # each rank got its own signal: each says so
         print(f"meshtrain: error: {stop}", file=sys.stderr, flush=True)

@@ -307,6 +307,10 @@ def test_a_schedule_whose_ranks_wait_on_each_other_is_reported(monkeypatch):
                         "pp rank 1 at its forward of stage 1, micro-batch 1 wait for each other"]
 
 
-def test_check_collectives_needs_a_dry_run(capsys):
-    assert train.run(["--config", "debug_2d", "--check-collectives"]) == 2
-    assert "--check-collectives runs on the fake process group of a dry run" in capsys.readouterr().err
+def test_meshtrain_check_runs_the_collective_check_without_the_dry_runs_memory_trace(capsys):
+    from meshtrain import cli
+
+    assert cli.main(["check", "--config", "debug_2d", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "every group's members issue the same sequence" in out, out
+    assert "peak" not in out.lower(), out  # the dry run's memory report: `meshtrain dry-run --check-collectives`

@@ -544,9 +544,10 @@ def format_help(prog: str = "train.py", launcher: str = "") -> str:
              f"       {prog} --config NAME --dry-run [--world-size N] [--rank R] [--gpus-per-node G] [--gpu h100-80gb]",
              f"       {pad}  (trace one step of rank R at world size N on a fake process group: mesh,",
              f"       {pad}   memory breakdown, communication; no GPU needed)",
-             f"       {prog} --config NAME --dry-run --world-size N --check-collectives",
-             f"       {pad}  (and check that every process group's members issue the same collectives,",
-             f"       {pad}   and every pipeline receive meets its send: no hang at launch)", ""]
+             f"       {prog} --config NAME --world-size N --check-collectives [--dry-run]",
+             f"       {pad}  (check that every process group's members issue the same collectives, and",
+             f"       {pad}   every pipeline receive meets its send: no hang at launch; after the dry run's",
+             f"       {pad}   report with --dry-run)", ""]
     for name, cls in SECTIONS.items():
         lines.append(f"[{name}]")
         for f in fields(cls):
@@ -566,11 +567,11 @@ class CliArgs:
     print_config: bool = False
     dry_run: bool = False
     debug: bool = False               # show the traceback of a refused input too
-    world_size: int | None = None     # --dry-run: the world to plan for (default: launched)
+    world_size: int | None = None     # --dry-run / --check-collectives: the world to plan for (default: launched)
     rank: int = 0                     # --dry-run: whose view to trace
-    gpus_per_node: int = 8            # --dry-run: to say which node each rank lands on
+    gpus_per_node: int = 8            # --dry-run / --check-collectives: which node each rank lands on
     gpu: str = ""                     # --dry-run: compare the peak with this GPU's memory
-    check_collectives: bool = False   # --dry-run: trace representative ranks, compare their collectives
+    check_collectives: bool = False   # trace representative ranks on a fake world, compare their collectives
     overrides: list[str] = field(default_factory=list)
 
 
@@ -615,9 +616,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, CliArgs]:
         else:
             args.overrides.append(token)
 
-    if args.check_collectives and not args.dry_run:
-        raise ConfigError(f"{CLI}: --check-collectives runs on the fake process group of a dry run: "
-                          f"add --dry-run --world-size N")
     path = find_config(config) if config is not None else None
     args.config_path = str(path) if path is not None else None
     return load_config(path, args.overrides), args
