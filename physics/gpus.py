@@ -25,6 +25,11 @@ Assumptions, each used only to *rank* layouts, never to promise a number:
 - `hbm_bandwidth`: what a device-to-device copy reaches (measured on H100 and H200;
   90% of spec assumed for the A100s): the speed of the memory-bound work of a step
   (element-wise ops, the fp32 loss, the optimizer; planning/kernels.py).
+- `sms`: streaming multiprocessors, over which a matmul's output tiles run in waves
+  (planning/matmul.py). NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 on the
+  H100 SXM5, 114 on the PCIe card; the H200 is the same GH100 configuration as the SXM5 (132)
+  and the H100 NVL assumed so; NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108;
+  B200: 148, what CUDA's device query reports (NVIDIA's B200 datasheet does not state it).
 - `attention_efficiency`: the fraction of the bf16 peak torch's flash attention
   (FlashAttention-2 kernels) reaches, forward and backward: 35% on an H100, published
   (Shah et al. 2024, "FlashAttention-3", abstract: "FlashAttention-2 achieving only 35%
@@ -53,6 +58,7 @@ class GPU:
     matmul_efficiency: float     # fraction of peak_bf16_flops a large matmul reaches
     attention_efficiency: float = 0.35  # fraction of the peak flash attention reaches (see above)
     link_efficiency: float = 0.8
+    sms: int = 132               # streaming multiprocessors: the waves of a matmul's tiles (planning/matmul.py)
 
     @property
     def achievable_flops(self) -> float:
@@ -60,19 +66,19 @@ class GPU:
 
 
 # name: GPU(model, name in torch's device name, bf16 FLOP/s, memory, achievable copy bandwidth,
-#            NVLink one way, inter-node one way, matmul efficiency[, attention efficiency])
+#            NVLink one way, inter-node one way, matmul efficiency[, attention efficiency], SMs)
 GPUS: dict[str, GPU] = {
-    "h100-80gb": GPU("H100 SXM 80GB", "H100", 989e12, 80 * GIB, 3.0e12, 900 * GB / 2, 400e9 / 8, 798 / 989),
+    "h100-80gb": GPU("H100 SXM 80GB", "H100", 989e12, 80 * GIB, 3.0e12, 900 * GB / 2, 400e9 / 8, 798 / 989, sms=132),
     # PCIe cards: NVLink bridges join pairs only, so a node's TP group talks over PCIe Gen5 x16.
-    "h100-pcie": GPU("H100 PCIe 80GB", "H100 PCIe", 756e12, 80 * GIB, 0.9 * 2.0e12, 64e9, 400e9 / 8, 0.8),
-    "h100-nvl": GPU("H100 NVL 94GB", "H100 NVL", 835e12, 94 * GIB, 0.9 * 3.9e12, 64e9, 400e9 / 8, 0.8),
-    "h200-141gb": GPU("H200 SXM 141GB", "H200", 989e12, 141 * GIB, 4.3e12, 900 * GB / 2, 400e9 / 8, 790 / 989),
+    "h100-pcie": GPU("H100 PCIe 80GB", "H100 PCIe", 756e12, 80 * GIB, 0.9 * 2.0e12, 64e9, 400e9 / 8, 0.8, sms=114),
+    "h100-nvl": GPU("H100 NVL 94GB", "H100 NVL", 835e12, 94 * GIB, 0.9 * 3.9e12, 64e9, 400e9 / 8, 0.8, sms=132),
+    "h200-141gb": GPU("H200 SXM 141GB", "H200", 989e12, 141 * GIB, 4.3e12, 900 * GB / 2, 400e9 / 8, 790 / 989, sms=132),
     # B200 (DGX B200 / HGX B200 data sheets): 2.25 PFLOP/s dense bf16 (4.5 with 2:4 sparsity),
     # 180 GB HBM3e at 8 TB/s as DGX B200 exposes it, NVLink 5 at 1.8 TB/s per GPU, eight 400 Gb/s
     # ConnectX-7 NICs. Not measured here: matmul 0.8, copy 90% of spec and attention 35% assumed.
-    "b200": GPU("B200 SXM 180GB", "B200", 2250e12, 180 * GIB, 0.9 * 8.0e12, 1800 * GB / 2, 400e9 / 8, 0.8),
-    "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6),
-    "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6),
+    "b200": GPU("B200 SXM 180GB", "B200", 2250e12, 180 * GIB, 0.9 * 8.0e12, 1800 * GB / 2, 400e9 / 8, 0.8, sms=148),
+    "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6, sms=108),
+    "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6, sms=108),
 }
 # What the allocator's peak must leave free: the CUDA context and NCCL's buffers (neither
 # is a tensor, so neither is traced or estimated) and the caching allocator's rounding and

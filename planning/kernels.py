@@ -6,9 +6,11 @@
 A step is not "the model FLOPs at one efficiency". Three classes of work run at three
 speeds, each kept per GPU in physics/gpus.py with where it comes from:
 
-- **matmuls** (the projections, the FFN, the output layer): 2 FLOPs per weight per token
-  forward, 4 backward, at `matmul_efficiency` of the bf16 peak (measured by
-  bench/gpu_check.py on an 8192^3 matmul).
+- **matmuls** (the projections, the FFN, the output layer): each Linear as the three
+  matmuls it runs (forward, input gradient, weight gradient), each timed at its own shape
+  by planning/matmul.py: measured rates where bench/results has them for the GPU, else a
+  roofline whose large-matmul asymptote is `matmul_efficiency` of the bf16 peak (measured
+  by bench/gpu_check.py on an 8192^3 matmul), slowed by tile and wave quantization.
 - **attention** (SDPA's flash kernel): forward 4 s^2 d FLOPs per head over the full
   s x s, halved by the causal mask (the kernel skips masked tiles); backward 2.5 x the
   forward (five matmuls against two, the convention of the FlashAttention papers'
@@ -21,13 +23,16 @@ speeds, each kept per GPU in physics/gpus.py with where it comes from:
 
 Recomputation (AC) runs a block's forward again: all three for `full`, only the
 element-wise work for `op` (its policy saves matmul and attention outputs).
-Not modelled: kernel launch and Python overhead (hidden while the GPU has work queued),
-a matmul's efficiency falling for small shapes, power or clock limits below the spec.
+Not modelled: Python overhead (hidden while the GPU has work queued), the routed experts'
+matmuls by shape (grouped GEMMs at the large-matmul speed), power or clock limits below the spec.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from meshtrain.planning.matmul import linear_seconds
 
 BF16 = 2
 FP32 = 4
@@ -93,30 +98,56 @@ def _bytes_per_token(m, tp: int, compiled: bool) -> float:
     return 2 * norm * hs + (14 * (hs + kvs) if rotary else 0) + 4 * hs + (10 if gated(m) else 4) * fs + 2 * 6 * hs
 
 
+def block_linears(m, tp: int) -> list[tuple[int, int]]:
+    """(in, out) of each Linear of a block as one TP rank runs it: q, k, v and the FFN's
+    input projections split their outputs (column-wise), the attention output and the FFN's
+    output projection their inputs (row-wise)."""
+    h, kv, f = m.dim, m.kv_dim, m.ffn_hidden
+    q = m.n_heads * (m.head_dim or m.dim // m.n_heads)
+    split = lambda width: math.ceil(width / tp)
+    ffn = [(h, split(f))] * (2 if gated(m) else 1) + [(split(f), h)] if f else []
+    return [(h, split(q)), (h, split(kv)), (h, split(kv)), (split(q), h)] + ffn
+
+
+def block_matmul_seconds(m, tokens: int, tp: int, gpu) -> tuple[float, float]:
+    """(forward, backward) of a block's matmuls on one GPU, each Linear at its own shape
+    (planning/matmul.py). 2-D weights the Linears above do not account for (an MoE block's
+    router) run at the large-matmul speed; so does a whole block of another shape."""
+    shapes = block_linears(m, 1)
+    rest = m.layer_split - sum(i * o for i, o in shapes)
+    flat = 2 * tokens / tp / (gpu.peak_bf16_flops * gpu.matmul_efficiency)
+    if rest < 0:
+        return flat * m.layer_split, 2 * flat * m.layer_split
+    runs = [linear_seconds(tokens, i, o, gpu) for i, o in block_linears(m, tp)]
+    return sum(f for f, _ in runs) + flat * rest, sum(b for _, b in runs) + 2 * flat * rest
+
+
 def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recompute: str,
                   compiled: bool = False, float8: str = "") -> Seconds:
     """One block's forward and backward over ``tokens`` tokens of sequences of ``seq``
     (this GPU holds seq / cp of each, and 1 / tp of the heads and FFN width).
     ``recompute``: "none", "full" (the forward again), "op" (its element-wise work again)."""
     peak = gpu.peak_bf16_flops
-    mm = 6 * m.layer_split / tp * tokens
+    fwd, bwd = block_matmul_seconds(m, round(tokens), tp, gpu)
     head_dim = m.head_dim or m.dim // m.n_heads
     # Each of this GPU's query heads attends over the whole causal sequence; under cp the
     # all-to-all hands it every token of n_heads / (tp cp) heads: the same FLOPs per GPU.
     attn_fwd = 4 * seq * head_dim * (m.n_heads / tp) * tokens / 2
     mem = _bytes_per_token(m, tp, compiled) * tokens
-    passes = {"none": (3, 1 + FA_BACKWARD, 3), "full": (4, 2 + FA_BACKWARD, 4), "op": (3, 1 + FA_BACKWARD, 4)}
-    k_mm, k_attn, k_mem = passes[recompute]
+    passes = {"none": (1, 1 + FA_BACKWARD, 3), "full": (2, 2 + FA_BACKWARD, 4), "op": (1, 1 + FA_BACKWARD, 4)}
+    n_fwd, k_attn, k_mem = passes[recompute]
     speedup = FLOAT8_MATMUL_SPEEDUP[float8] if float8 else 1.0  # [float8]: the block's Linear layers
-    return Seconds(matmul=mm * k_mm / 3 / (peak * gpu.matmul_efficiency * speedup),
+    return Seconds(matmul=(fwd * n_fwd + bwd) / speedup,
                    attention=attn_fwd * k_attn / (peak * gpu.attention_efficiency),
                    memory=mem * k_mem / gpu.hbm_bandwidth)
 
 
 def head_seconds(m, *, tokens: float, tp: int, gpu) -> Seconds:
-    """The output layer's matmul and the fp32 cross-entropy over this GPU's vocabulary."""
+    """The output layer's matmul (tokens x dim @ dim x vocab / tp, at its shape) and the fp32
+    cross-entropy over this GPU's vocabulary."""
     out = (m.head_split if m.head_split else m.embedding) / tp
-    return Seconds(matmul=6 * out * tokens / (gpu.peak_bf16_flops * gpu.matmul_efficiency),
+    fwd, bwd = linear_seconds(round(tokens), m.dim, round(out / m.dim), gpu)
+    return Seconds(matmul=fwd + bwd,
                    memory=LOSS_BYTES * m.vocab / tp * tokens / gpu.hbm_bandwidth)
 
 

@@ -112,12 +112,13 @@ def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds
     tokens = job70.global_batch // lay.dp * s         # each data-parallel rank's, which its 8 TP GPUs share
     e = estimate(job70, lay)
     # Matmuls: 6 FLOPs per weight per token (blocks and output layer, / tp) at the measured
-    # large-matmul speed.
+    # large-matmul speed, within the few percent by which 70B's shapes (4,096+ wide after TP 8)
+    # differ from it (planning/matmul.py; tests/test_matmul.py checks the shape effect).
     matmul = 6 * (m.n_layers * m.layer_split + m.head_split) / t * tokens / H100.achievable_flops
     # Flash attention: 4 s d per head per token forward, halved by the causal mask, 2.5x
     # that backward, at 35% of the peak (FlashAttention-3 paper: FlashAttention-2 on H100).
     attention = m.n_layers * 4 * s * m.dim / t / 2 * 3.5 * tokens / (0.35 * H100.peak_bf16_flops)
-    assert e.compute_split["matmul"] == pytest.approx(matmul)
+    assert e.compute_split["matmul"] == pytest.approx(matmul, rel=0.05)
     assert e.compute_split["attention"] == pytest.approx(attention)
     assert 0 < e.compute_split["memory"] < 0.2 * e.times["compute"]
     assert e.times["compute"] == pytest.approx(sum(e.compute_split.values()))
@@ -128,7 +129,7 @@ def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds
     # Full recomputation runs every block's forward again: matmuls +1/3, attention + 1/3.5.
     full = estimate(job70, ParallelDims(**{**lay.__dict__, "ac": "full"}))
     block_mm = 6 * m.n_layers * m.layer_split / t * tokens / H100.achievable_flops
-    assert full.compute_split["matmul"] == pytest.approx(matmul + block_mm / 3)
+    assert full.compute_split["matmul"] == pytest.approx(e.compute_split["matmul"] + block_mm / 3, rel=0.05)
     assert full.compute_split["attention"] == pytest.approx(attention * 4.5 / 3.5)
     # torch.compile fuses element-wise chains: less memory-bound time, the same matmuls.
     compiled = estimate(dataclasses.replace(job70, compiled=True), lay)

@@ -1,0 +1,122 @@
+"""Time of one matmul (m x k) @ (k x n) on one GPU, by its shape.
+
+    seconds = gemm_seconds(16384, 4096, 14336, gpu)
+
+A measured table when the project has one for this GPU (`bench.kernel_speeds`' JSON in
+bench/results: its rate for the nearest measured shapes, interpolated in log space), else a
+roofline with the GPU's measured large-matmul rate as its asymptote:
+
+    time = max(compute, memory) + KERNEL_GAP
+
+- **compute**: cuBLAS / CUTLASS split C (m x n) into output tiles, one per thread block, and
+  run them in *waves* of one tile per SM; a partial last wave takes as long as a full one
+  (tile and wave quantization: NVIDIA, "Matrix Multiplication Background User's Guide",
+  docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication, sections
+  "Tile Quantization" and "Wave Quantization"). So time = waves x one wave's time, where a
+  wave of full tiles runs at the rate that makes the 8192^3 matmul take what
+  physics/gpus.py measured (`matmul_efficiency`): that shape is the asymptote, and a shape
+  whose tiles fill every wave runs at it.
+- **memory**: the bytes of A, B and C (bf16) at the GPU's measured copy bandwidth.
+- **KERNEL_GAP**: what each kernel adds between back-to-back launches.
+
+Not modelled: split-K / stream-K (which cuBLAS uses when tiles are too few to fill the
+SMs: such shapes come out slower here than they run), the K loop's prologue and epilogue.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+from meshtrain.physics.gpus import gpu_of_device
+
+BF16 = 2
+# One thread block's output tile. CUTLASS's Hopper bf16 GEMMs (SM90 TMA warp-specialized
+# kernels, the cutlass_profiler's default and largest tile) use 128 x 256 (x 64 in K); the
+# matrix-multiplication guide above lists 256x128 and 128x256 as cuBLAS's most efficient
+# tiles. cuBLAS picks the orientation per problem: we take the one with fewer waves.
+TILE = (128, 256)
+# NVIDIA, "Getting Started with CUDA Graphs" (2019): a 2.9 us kernel launched back to back
+# on a stream takes 3.8 us per kernel: about 1 us each between kernels.
+KERNEL_GAP = 1e-6
+ASYMPTOTE = (8192, 8192, 8192)  # the shape physics/gpus.py's matmul_efficiency was measured on
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def waves(m: int, n: int, sms: int) -> int:
+    """Waves of output tiles over ``sms`` SMs, the tile oriented for the fewer."""
+    tm, tn = TILE
+    tiles = min(math.ceil(m / tm) * math.ceil(n / tn), math.ceil(m / tn) * math.ceil(n / tm))
+    return math.ceil(tiles / sms)
+
+
+def roofline_seconds(m: int, k: int, n: int, gpu) -> float:
+    """The roofline with wave quantization, its full-wave rate set by the measured 8192^3 one."""
+    am, ak, an = ASYMPTOTE
+    measured = 2 * am * ak * an / (gpu.peak_bf16_flops * gpu.matmul_efficiency)
+    # One wave of one K element, from the asymptote (whose own gap is part of its measurement).
+    per_wave_k = (measured - KERNEL_GAP) / (waves(am, an, gpu.sms) * ak)
+    compute = waves(m, n, gpu.sms) * k * per_wave_k
+    memory = BF16 * (m * k + k * n + m * n) / gpu.hbm_bandwidth
+    return max(compute, memory) + KERNEL_GAP
+
+
+def load_matmul_table(path: Path) -> tuple[str, tuple[tuple[int, int, int, float], ...]] | None:
+    """(device name, ((m, k, n, FLOP/s), ...)) of a `bench.kernel_speeds` JSON; None for any
+    other JSON, a --quick smoke run or a CPU run."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(result, dict) or result.get("quick", True) or not result.get("matmul"):
+        return None
+    if not isinstance(result.get("device"), str) or result["device"] == "cpu":
+        return None
+    rows = tuple((int(r["m"]), int(r["k"]), int(r["n"]), float(r["tflops"]) * 1e12) for r in result["matmul"])
+    return result["device"], rows
+
+
+@lru_cache(maxsize=None)
+def measured_tables(folder: Path = RESULTS) -> dict[str, tuple]:
+    """GPU name (physics/gpus.py) -> its measured rows, from every kernel_speeds JSON in
+    ``folder`` (the last file by name wins for a GPU measured more than once)."""
+    tables = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        loaded = load_matmul_table(path)
+        gpu = gpu_of_device(loaded[0]) if loaded else None
+        if gpu is not None:
+            tables[gpu.name] = loaded[1]
+    return tables
+
+
+def table_rate(rows, m: int, k: int, n: int) -> float:
+    """FLOP/s at (m, k, n) from measured rows: a measured shape's own rate, else the mean of
+    log rates weighted by 1 / distance^2 in (log m, log k, log n)."""
+    weights, logs = [], []
+    for rm, rk, rn, rate in rows:
+        d2 = math.log(m / rm) ** 2 + math.log(k / rk) ** 2 + math.log(n / rn) ** 2
+        if d2 == 0:
+            return rate
+        weights.append(1 / d2)
+        logs.append(math.log(rate))
+    return math.exp(sum(w * x for w, x in zip(weights, logs)) / sum(weights))
+
+
+@lru_cache(maxsize=65536)
+def gemm_seconds(m: int, k: int, n: int, gpu) -> float:
+    """Seconds of (m x k) @ (k x n) in bf16 on ``gpu``: measured rates where bench/results
+    has them for this GPU, the roofline elsewhere. Cached: the search asks for few shapes
+    many times."""
+    rows = measured_tables().get(gpu.name)
+    if rows:
+        return 2 * m * k * n / table_rate(rows, m, k, n)
+    return roofline_seconds(m, k, n, gpu)
+
+
+def linear_seconds(tokens: int, d_in: int, d_out: int, gpu) -> tuple[float, float]:
+    """(forward, backward) of a Linear: tokens x in @ in x out forward; backward the input
+    gradient (tokens x out @ out x in) and the weight gradient (in x tokens @ tokens x out)."""
+    return gemm_seconds(tokens, d_in, d_out, gpu), (gemm_seconds(tokens, d_out, d_in, gpu)
+                                                    + gemm_seconds(d_in, tokens, d_out, gpu))
