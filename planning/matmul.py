@@ -6,7 +6,7 @@ A measured table when the project has one for this GPU (`bench.kernel_speeds`' J
 bench/results: its rate for the nearest measured shapes, interpolated in log space), else a
 roofline with the GPU's measured large-matmul rate as its asymptote:
 
-    time = max(compute, memory) + KERNEL_GAP
+    time = max(compute + epilogue, memory) + KERNEL_GAP
 
 - **compute**: cuBLAS / CUTLASS split C (m x n) into output tiles, one per thread block, and
   run them in *waves* of one tile per SM; a partial last wave takes as long as a full one
@@ -16,11 +16,19 @@ roofline with the GPU's measured large-matmul rate as its asymptote:
   wave of full tiles runs at the rate that makes the 8192^3 matmul take what
   physics/gpus.py measured (`matmul_efficiency`): that shape is the asymptote, and a shape
   whose tiles fill every wave runs at it.
+- **epilogue**: each tile writes its C block (bf16) once its K loop is done; in a
+  non-persistent or "cooperative" kernel (CUTLASS's schedule for 128 x 256 tiles, both
+  consumer warp groups on one tile) that write is not overlapped with the tile's own
+  math (PyTorch blog, "Deep Dive on CUTLASS Ping-Pong GEMM Kernel", 2024: only ping-pong
+  overlaps one tile's epilogue with another's math). All tiles' C at the copy bandwidth:
+  with the asymptote fixed by the 8192^3 measurement, this is what makes a short K loop
+  (a 2,048-wide model's matmuls) slower than a long one.
 - **memory**: the bytes of A, B and C (bf16) at the GPU's measured copy bandwidth.
 - **KERNEL_GAP**: what each kernel adds between back-to-back launches.
 
 Not modelled: split-K / stream-K (which cuBLAS uses when tiles are too few to fill the
-SMs: such shapes come out slower here than they run), the K loop's prologue and epilogue.
+SMs: such shapes come out slower here than they run), the K loop's prologue, ping-pong
+kernels that hide the epilogue.
 """
 
 from __future__ import annotations
@@ -45,22 +53,33 @@ ASYMPTOTE = (8192, 8192, 8192)  # the shape physics/gpus.py's matmul_efficiency 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
 
-def waves(m: int, n: int, sms: int) -> int:
-    """Waves of output tiles over ``sms`` SMs, the tile oriented for the fewer."""
+def tiles(m: int, n: int) -> int:
+    """Output tiles of an m x n result, the tile oriented for the fewer."""
     tm, tn = TILE
-    tiles = min(math.ceil(m / tm) * math.ceil(n / tn), math.ceil(m / tn) * math.ceil(n / tm))
-    return math.ceil(tiles / sms)
+    return min(math.ceil(m / tm) * math.ceil(n / tn), math.ceil(m / tn) * math.ceil(n / tm))
+
+
+def waves(m: int, n: int, sms: int) -> int:
+    """Waves of output tiles over ``sms`` SMs: a partial last wave counts as a whole one."""
+    return math.ceil(tiles(m, n) / sms)
+
+
+def epilogue_seconds(m: int, n: int, gpu) -> float:
+    """Every tile's C block (bf16) written at the copy bandwidth."""
+    return tiles(m, n) * TILE[0] * TILE[1] * BF16 / gpu.hbm_bandwidth
 
 
 def roofline_seconds(m: int, k: int, n: int, gpu) -> float:
-    """The roofline with wave quantization, its full-wave rate set by the measured 8192^3 one."""
+    """The roofline with wave quantization and the tiles' epilogue, its full-wave rate set
+    so that the 8192^3 matmul takes what physics/gpus.py measured."""
     am, ak, an = ASYMPTOTE
     measured = 2 * am * ak * an / (gpu.peak_bf16_flops * gpu.matmul_efficiency)
-    # One wave of one K element, from the asymptote (whose own gap is part of its measurement).
-    per_wave_k = (measured - KERNEL_GAP) / (waves(am, an, gpu.sms) * ak)
+    # One wave over one K element, from the asymptote (its epilogue and gap are part of
+    # what was measured).
+    per_wave_k = (measured - epilogue_seconds(am, an, gpu) - KERNEL_GAP) / (waves(am, an, gpu.sms) * ak)
     compute = waves(m, n, gpu.sms) * k * per_wave_k
     memory = BF16 * (m * k + k * n + m * n) / gpu.hbm_bandwidth
-    return max(compute, memory) + KERNEL_GAP
+    return max(compute + epilogue_seconds(m, n, gpu), memory) + KERNEL_GAP
 
 
 def load_matmul_table(path: Path) -> tuple[str, tuple[tuple[int, int, int, float], ...]] | None:
@@ -79,7 +98,7 @@ def load_matmul_table(path: Path) -> tuple[str, tuple[tuple[int, int, int, float
 
 
 @lru_cache(maxsize=None)
-def measured_tables(folder: Path = RESULTS) -> dict[str, tuple]:
+def measured_tables(folder: Path) -> dict[str, tuple]:
     """GPU name (physics/gpus.py) -> its measured rows, from every kernel_speeds JSON in
     ``folder`` (the last file by name wins for a GPU measured more than once)."""
     tables = {}
@@ -109,7 +128,7 @@ def gemm_seconds(m: int, k: int, n: int, gpu) -> float:
     """Seconds of (m x k) @ (k x n) in bf16 on ``gpu``: measured rates where bench/results
     has them for this GPU, the roofline elsewhere. Cached: the search asks for few shapes
     many times."""
-    rows = measured_tables().get(gpu.name)
+    rows = measured_tables(RESULTS).get(gpu.name)
     if rows:
         return 2 * m * k * n / table_rate(rows, m, k, n)
     return roofline_seconds(m, k, n, gpu)

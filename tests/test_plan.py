@@ -13,6 +13,7 @@ from meshtrain.training import recipe
 from meshtrain.models.llama import Llama
 from meshtrain.parallel import ParallelDims, check_tp_fits
 from meshtrain.planning.estimate import estimate
+from meshtrain.planning.kernels import block_matmul_seconds
 from meshtrain.planning.memory import (BF16, FP32, fsdp2_model_states, layer_activation_bytes, memory_per_gpu,
                                        rank_local_params, zero_model_states)
 from meshtrain.planning.shape import Job, ModelShape
@@ -112,13 +113,14 @@ def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds
     tokens = job70.global_batch // lay.dp * s         # each data-parallel rank's, which its 8 TP GPUs share
     e = estimate(job70, lay)
     # Matmuls: 6 FLOPs per weight per token (blocks and output layer, / tp) at the measured
-    # large-matmul speed, within the few percent by which 70B's shapes (4,096+ wide after TP 8)
-    # differ from it (planning/matmul.py; tests/test_matmul.py checks the shape effect).
+    # large-matmul speed, slowed by the tile and wave quantization and the tile epilogues of
+    # 70B's TP-8 shapes: by less than 10% (planning/matmul.py; tests/test_matmul.py checks
+    # the shape effect itself).
     matmul = 6 * (m.n_layers * m.layer_split + m.head_split) / t * tokens / H100.achievable_flops
     # Flash attention: 4 s d per head per token forward, halved by the causal mask, 2.5x
     # that backward, at 35% of the peak (FlashAttention-3 paper: FlashAttention-2 on H100).
     attention = m.n_layers * 4 * s * m.dim / t / 2 * 3.5 * tokens / (0.35 * H100.peak_bf16_flops)
-    assert e.compute_split["matmul"] == pytest.approx(matmul, rel=0.05)
+    assert matmul < e.compute_split["matmul"] < 1.1 * matmul
     assert e.compute_split["attention"] == pytest.approx(attention)
     assert 0 < e.compute_split["memory"] < 0.2 * e.times["compute"]
     assert e.times["compute"] == pytest.approx(sum(e.compute_split.values()))
@@ -128,8 +130,9 @@ def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds
     assert e.times["compute"] > flops * tokens / t / H100.achievable_flops
     # Full recomputation runs every block's forward again: matmuls +1/3, attention + 1/3.5.
     full = estimate(job70, ParallelDims(**{**lay.__dict__, "ac": "full"}))
-    block_mm = 6 * m.n_layers * m.layer_split / t * tokens / H100.achievable_flops
-    assert full.compute_split["matmul"] == pytest.approx(e.compute_split["matmul"] + block_mm / 3, rel=0.05)
+    n_mb = job70.global_batch // lay.dp // lay.micro_batch
+    block_fwd = m.n_layers * n_mb * block_matmul_seconds(m, lay.micro_batch * s, t, H100)[0]
+    assert full.compute_split["matmul"] == pytest.approx(e.compute_split["matmul"] + block_fwd, rel=1e-9)
     assert full.compute_split["attention"] == pytest.approx(attention * 4.5 / 3.5)
     # torch.compile fuses element-wise chains: less memory-bound time, the same matmuls.
     compiled = estimate(dataclasses.replace(job70, compiled=True), lay)
