@@ -3,8 +3,12 @@
     python -m bench.kernel_speeds [--out bench/results/kernels_h100.json]     # on a GPU
     python -m bench.kernel_speeds --device cpu --quick                          # smoke run
 
-- matmul: bf16 TFLOP/s of the shapes a Llama 3 8B / 70B block runs under TP 1-8 (tokens x
-  in x out), and of the 8192^3 matmul physics/gpus.py's `matmul_efficiency` is from;
+- matmul: bf16 TFLOP/s of the 8192^3 matmul physics/gpus.py's `matmul_efficiency` is from,
+  and of the shapes blocks 2,048 to 8,192 wide run under TP 1-8 over 4K and 16K tokens:
+  each Linear's forward (tokens x in x out / tp), input gradient (tokens x out / tp x in)
+  and weight gradient (in x tokens x out / tp). Written with --out into bench/results, the
+  planner times matmuls from this table for that GPU instead of its roofline
+  (planning/matmul.py);
 - attention: SDPA (flash backend on a GPU) forward + backward, causal, head dim 128, batch
   x sequence = 16K tokens as in the FlashAttention papers, TFLOP/s counted their way
   (4·s²·d per head forward, halved by the mask; backward 2.5x): `attention_efficiency`;
@@ -44,9 +48,10 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 
 def matmuls(device, dtype, quick: bool, repeats: int) -> list[dict]:
-    tokens = 256 if quick else 16384
-    shapes = [(tokens, 256, 256)] if quick else [(8192, 8192, 8192)] + [
-        (tokens, h, out // tp) for h, out in ((4096, 4096), (4096, 14336), (8192, 28672)) for tp in (1, 2, 4, 8)]
+    linears = ((2048, 2048), (2048, 8192), (4096, 4096), (4096, 14336), (8192, 8192), (8192, 28672))
+    forward = {(tokens, h, out // tp) for h, out in linears for tp in (1, 2, 4, 8) for tokens in (4096, 16384)}
+    three = {s for m, k, n in forward for s in ((m, k, n), (m, n, k), (k, m, n))}
+    shapes = [(256, 256, 256)] if quick else [(8192, 8192, 8192)] + sorted(three - {(8192, 8192, 8192)})
     rows = []
     for m, k, n in shapes:
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)

@@ -57,3 +57,10 @@ def test_kernel_speeds_cpu_smoke_run_writes_every_section(tmp_path):
     assert result["matmul"][0]["tflops"] > 0 and result["attention"][0]["tflops"] > 0
     assert result["memory"]["copy_gbs"] > 0 and "rmsnorm_eager_gbs_as_counted" in result["memory"]
     assert "attention seq 128" in proc.stdout
+    # The planner reads what it writes (planning/matmul.py): not a smoke run's numbers, but
+    # the same file as a GPU's run would be.
+    from meshtrain.planning.matmul import load_matmul_table
+
+    assert load_matmul_table(out) is None  # --quick
+    out.write_text(json.dumps({**result, "quick": False, "device": "NVIDIA H100 80GB HBM3"}))
+    assert load_matmul_table(out) == ("NVIDIA H100 80GB HBM3", ((256, 256, 256, result["matmul"][0]["tflops"] * 1e12),))
