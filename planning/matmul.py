@@ -17,10 +17,11 @@ roofline with the GPU's measured large-matmul rate as its asymptote:
   physics/gpus.py measured (`matmul_efficiency`): that shape is the asymptote, and a shape
   whose tiles fill every wave runs at it.
 - **epilogue**: each tile writes its C block (bf16) once its K loop is done; in a
-  non-persistent or "cooperative" kernel (CUTLASS's schedule for 128 x 256 tiles, both
-  consumer warp groups on one tile) that write is not overlapped with the tile's own
-  math (PyTorch blog, "Deep Dive on CUTLASS Ping-Pong GEMM Kernel", 2024: only ping-pong
-  overlaps one tile's epilogue with another's math). All tiles' C at the copy bandwidth:
+  non-persistent or "cooperative" kernel (CUTLASS's Hopper schedule with both consumer
+  warp groups on one tile) that write is not overlapped with math; a "ping-pong" kernel
+  overlaps one warp group's epilogue with the other's math (PyTorch blog, "Deep Dive on
+  CUTLASS Ping-Pong GEMM Kernel", 2024). Which one cuBLAS runs is its heuristic's choice:
+  we assume cooperative. All tiles' C at the copy bandwidth:
   with the asymptote fixed by the 8192^3 measurement, this is what makes a short K loop
   (a 2,048-wide model's matmuls) slower than a long one.
 - **memory**: the bytes of A, B and C (bf16) at the GPU's measured copy bandwidth.
@@ -41,10 +42,11 @@ from pathlib import Path
 from meshtrain.physics.gpus import gpu_of_device
 
 BF16 = 2
-# One thread block's output tile. CUTLASS's Hopper bf16 GEMMs (SM90 TMA warp-specialized
-# kernels, the cutlass_profiler's default and largest tile) use 128 x 256 (x 64 in K); the
-# matrix-multiplication guide above lists 256x128 and 128x256 as cuBLAS's most efficient
-# tiles. cuBLAS picks the orientation per problem: we take the one with fewer waves.
+# One thread block's output tile: 128 x 256 (x 64 in K), a tile of CUTLASS's SM90 bf16
+# warp-specialized GEMMs (cutlass3x_sm90_tensorop_gemm_bf16_..._128x256x64 kernels); the
+# matrix-multiplication guide above names 256x128 and 128x256 the most efficient of the
+# tiles cuBLAS chooses from. cuBLAS picks per problem: we take the orientation with fewer
+# waves, never a smaller tile.
 TILE = (128, 256)
 # NVIDIA, "Getting Started with CUDA Graphs" (2019): a 2.9 us kernel launched back to back
 # on a stream takes 3.8 us per kernel: about 1 us each between kernels.
