@@ -12,7 +12,8 @@ _spec = importlib.util.spec_from_file_location("step_time_validation", ROOT / "b
 validation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(validation)
 
-# As printed in the sources (KempnerForge's reports: total tok/s; Llama 3: TFLOP/s per GPU),
+# As printed in the sources (KempnerForge's reports: total tok/s; Llama 3: TFLOP/s per GPU;
+# llm-foundry's 70 rows are checked against their own MFU column below),
 # copied here by hand so that an edit of the script's table shows.
 PUBLISHED = {
     "KempnerForge mfu_scaling, run 1": 10_471, "KempnerForge mfu_scaling, run 2": 18_728,
@@ -36,7 +37,8 @@ def test_every_held_out_point_is_estimated_with_its_source_and_published_figure(
     rows = validation.evaluate(validation.held_out())
     kempner = [r for r in rows if r["source"].startswith("KempnerForge")]
     llama3 = [r for r in rows if r["source"].startswith("Llama 3")]
-    assert len(rows) == len(kempner) + len(llama3) == len(PUBLISHED) + len(LLAMA3_TFLOPS_MFU)
+    mosaic = [r for r in rows if r["source"].startswith("llm-foundry")]
+    assert len(rows) == len(kempner) + len(llama3) + len(mosaic) == len(PUBLISHED) + len(LLAMA3_TFLOPS_MFU) + 70
     assert {r["source"]: r["published_value"] for r in kempner} == PUBLISHED
     assert [(r["published_value"], r["published_mfu"]) for r in llama3] == LLAMA3_TFLOPS_MFU
     for r in rows:
@@ -46,10 +48,26 @@ def test_every_held_out_point_is_estimated_with_its_source_and_published_figure(
         assert math.isfinite(r["error"]), r["source"]
 
 
+def test_llm_foundry_rows_are_the_published_table():
+    # All 70 bf16 rows of the two H100 tables; each row's published MFU is what llm-foundry's own
+    # formula (README, "MFU": 6 x NumParams + 12 L d s per token over 989 TFLOP/s) gives for its
+    # published tok/s/GPU, so a mistyped figure in either column shows; the shapes built here have
+    # the published parameter counts.
+    rows = [r for r in validation.held_out() if r["source"].startswith("llm-foundry")]
+    assert len(rows) == len(validation.MOSAIC) == 70
+    assert sum(r["published_value"] for r in rows) == 1_411_998  # summed from the README itself
+    for size, seq, gpus, mfu, mb, accum, batch, tok_s, ac, params in validation.MOSAIC:
+        dim, _, layers = validation.MPT_SIZES[size]
+        assert abs(tok_s * (6 * params + 12 * layers * dim * seq) / 989e12 * 100 - mfu) < 0.05, (size, seq, gpus)
+        assert validation.mpt_model(size, seq).n_params == params, (size, seq)
+
+
 def test_published_figures_are_converted_to_tokens_per_second_per_gpu():
     for r in validation.held_out():
         if r["source"].startswith("KempnerForge"):  # the job's tok/s over its GPUs
             assert r["measured"] == r["published_value"] / r["job"].world
+        elif r["source"].startswith("llm-foundry"):  # published per GPU
+            assert r["measured"] == r["published_value"]
         else:  # TFLOP/s per GPU over physics/flops.py's FLOPs per token
             m, s = r["job"].model, r["job"].seq_len
             assert math.isclose(r["measured"] * m.flops_per_token(s), r["published_value"] * 1e12)
