@@ -140,8 +140,17 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # a backward twice a forward; for 1F1B that is fill and drain, (pp - 1) micro-batches.
     bubble = 0.0
     if lay.pp > 1 and lay.pp_schedule in WHOLE_BACKWARD:
-        chunk = busy / n_mb / lay.stages_per_rank  # one micro-batch through one stage
-        bubble = makespan(lay.pp_schedule, lay.pp, lay.stages_per_rank, n_mb, chunk / 3, 2 * chunk / 3) - busy
+        # Each stage at its own time (the first also runs the embedding, the last the output
+        # layer and loss; the split may be uneven), and each send between ranks -- latency plus
+        # the activation's bytes -- as a delay on the schedule's timeline: one stage's
+        # forward to the next stage's, one backward to the previous stage's.
+        busy -= pp_time
+        stage = stage_seconds(shares, [sum(x) - x[2] for x in per_mb])
+        hop = net.seconds("send/recv", act / t, *pp_g)
+        run = lambda delay: makespan(lay.pp_schedule, lay.pp, lay.stages_per_rank, n_mb,
+                                     [x / 3 for x in stage], [2 * x / 3 for x in stage], delay)
+        still = run(0.0)
+        pp_time, bubble = run(hop) - still, still - busy
     elif lay.pp > 1:
         bubble = busy * (lay.pp - 1) / lay.stages_per_rank / n_mb
 
@@ -198,6 +207,18 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                "bubble": bubble, "fsdp": exposed, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
+
+
+def stage_seconds(shares, per_rank: list[float]) -> list[float]:
+    """Seconds of one micro-batch through each stage, by global stage index, from each pp
+    rank's time for all its stages (``per_rank``). One stage per rank: its rank's. Several:
+    the rank's time split by their layers (the embedding's and the output layer's time
+    spread over the rank's stages with them)."""
+    out = [0.0] * shares[0].n_stages
+    for share, seconds in zip(shares, per_rank):
+        for sid, layers in zip(share.stage_ids, share.stage_layers):
+            out[sid] = seconds * layers / share.layers
+    return out
 
 
 def cp_exchange_bytes(m: ModelShape, s: int, b: int, t: int, cp: int) -> float:
