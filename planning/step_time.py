@@ -148,7 +148,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         # the activation's bytes -- as a delay on the schedule's timeline: one stage's
         # forward to the next stage's, one backward to the previous stage's.
         busy -= pp_time
-        stage = stage_seconds(shares, [sum(x) - x[2] for x in per_mb])
+        stage = stage_seconds(shares, [c + tp_ + cp_ + ep_ for c, tp_, _, cp_, ep_ in per_mb])  # all but sends
         hop = net.seconds("send/recv", act / t, *pp_g)
         run = lambda delay: makespan(lay.pp_schedule, lay.pp, lay.stages_per_rank, n_mb,
                                      [x / 3 for x in stage], [2 * x / 3 for x in stage], delay)
