@@ -148,12 +148,20 @@ class Deadlock(RuntimeError):
         self.waiting = waiting
 
 
-def play(lists: list[list[Action]], n_stages: int, forward: float = 1.0, backward: float = 2.0) -> float:
+def play(lists: list[list[Action]], n_stages: int, forward=1.0, backward=2.0, hop: float = 0.0) -> float:
     """Run every pp rank's list against the others: an action starts when its rank is free
     and its input is there (the previous stage's forward of that micro-batch; the next
-    stage's backward, or its own forward on the last stage); a forward takes ``forward``,
-    a backward ``backward``. Returns when the last rank finishes; raises `Deadlock`."""
+    stage's backward, or its own forward on the last stage). ``forward`` / ``backward``:
+    the seconds of one micro-batch through a stage, one number for every stage or a
+    sequence indexed by stage (the first stage also runs the embedding, the last the output
+    layer and loss). ``hop``: the seconds an activation (or its gradient) takes from one
+    rank to the next -- latency plus bytes over the link --, a delay between the producing
+    action's end and the consuming one's earliest start (none between stages of one rank).
+    Returns when the last rank finishes; raises `Deadlock`."""
     pp = len(lists)
+    per_stage = lambda x: x if isinstance(x, (list, tuple)) else [x] * n_stages
+    forward, backward = per_stage(forward), per_stage(backward)
+    rank_of = {a.stage: r for r, actions in enumerate(lists) for a in actions}
     done: dict[tuple, float] = {}
     free, pos = [0.0] * pp, [0] * pp
     while any(p < len(lst) for p, lst in zip(pos, lists)):
@@ -167,8 +175,9 @@ def play(lists: list[list[Action]], n_stages: int, forward: float = 1.0, backwar
                     need = ("B", a.stage + 1, a.microbatch) if a.stage < n_stages - 1 else ("F", a.stage, a.microbatch)
                 if need is not None and need not in done:
                     break
-                start = max(free[r], done[need] if need else 0.0)
-                free[r] = start + (forward if a.kind == "F" else backward)
+                arrives = done[need] + (hop if rank_of[need[1]] != r else 0.0) if need else 0.0
+                start = max(free[r], arrives)
+                free[r] = start + (forward[a.stage] if a.kind == "F" else backward[a.stage])
                 done[(a.kind, a.stage, a.microbatch)] = free[r]
                 pos[r], moved = pos[r] + 1, True
         if not moved:
@@ -177,9 +186,10 @@ def play(lists: list[list[Action]], n_stages: int, forward: float = 1.0, backwar
 
 
 def makespan(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int,
-             forward: float, backward: float) -> float:
-    """The time torch's schedule takes when every forward of a stage takes ``forward`` and
-    every backward ``backward`` (`play` over its lists). The step's idle time -- the
-    bubble -- is what this adds to one rank's busy time."""
+             forward, backward, hop: float = 0.0) -> float:
+    """The time torch's schedule takes when a forward of stage s takes ``forward`` (or
+    ``forward[s]``), a backward ``backward`` (``backward[s]``), and every send between two
+    ranks ``hop`` (`play` over its lists). The step's idle time -- the bubble -- is what
+    this adds to one rank's busy time."""
     return play(rank_actions(schedule, pp, stages_per_rank, n_microbatches), pp * stages_per_rank,
-                forward, backward)
+                forward, backward, hop)

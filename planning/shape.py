@@ -182,6 +182,9 @@ class Job:
     muon_shapes: tuple = ()
     ns_steps: int = 5
     float8: str = ""  # [float8] recipe when enabled: the blocks' matmuls run faster (planning/kernels.py)
+    # [float8] enable_fsdp_float8_all_gather: FSDP gathers the blocks' float8 Linear weights
+    # in float8, one byte each (planning/step_time.py float8_gathered)
+    float8_all_gather: bool = False
     # A mixture of experts under expert parallelism: the busiest ep rank receives this
     # many times the mean token copies per MoE layer (routing imbalance; docs/planning.md,
     # Mixture of experts: 1.25, Switch Transformer's training capacity factor). It scales

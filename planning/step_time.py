@@ -23,6 +23,8 @@ from meshtrain.planning.schedule import makespan
 from meshtrain.planning.shape import Job, ModelShape, forwards_per_step, keeps_gathered, replica_group, shard_degree
 from meshtrain.planning.shares import checkpointed_blocks, checkpointed_moe_blocks, rank_shares
 
+FLOAT8 = 1  # bytes per float8 element
+
 
 def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) of each FSDP unit per step.
@@ -130,7 +132,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         if ep == 1:  # the experts are part of their block's unit, sharded with it
             other, routed = other + routed, 0.0
         fsdp.append((other + routed, other, routed, largest_unit(m, share, t, ep),
-                     share.layers + share.first + share.last, n_moe, rank_sharded_params(m, share, lay)))
+                     share.layers + share.first + share.last, n_moe, rank_sharded_params(m, share, lay),
+                     float8_gathered(job, share, t)))
 
     # The slowest pipeline rank sets the pace of every micro-batch.
     worst = max(range(len(shares)), key=lambda r: sum(per_mb[r]))
@@ -140,8 +143,17 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # a backward twice a forward; for 1F1B that is fill and drain, (pp - 1) micro-batches.
     bubble = 0.0
     if lay.pp > 1 and lay.pp_schedule in WHOLE_BACKWARD:
-        chunk = busy / n_mb / lay.stages_per_rank  # one micro-batch through one stage
-        bubble = makespan(lay.pp_schedule, lay.pp, lay.stages_per_rank, n_mb, chunk / 3, 2 * chunk / 3) - busy
+        # Each stage at its own time (the first also runs the embedding, the last the output
+        # layer and loss; the split may be uneven), and each send between ranks -- latency plus
+        # the activation's bytes -- as a delay on the schedule's timeline: one stage's
+        # forward to the next stage's, one backward to the previous stage's.
+        busy -= pp_time
+        stage = stage_seconds(shares, [c + tp_ + cp_ + ep_ for c, tp_, _, cp_, ep_ in per_mb])  # all but sends
+        hop = net.seconds("send/recv", act / t, *pp_g)
+        run = lambda delay: makespan(lay.pp_schedule, lay.pp, lay.stages_per_rank, n_mb,
+                                     [x / 3 for x in stage], [2 * x / 3 for x in stage], delay)
+        still = run(0.0)
+        pp_time, bubble = run(hop) - still, still - busy
     elif lay.pp > 1:
         bubble = busy * (lay.pp - 1) / lay.stages_per_rank / n_mb
 
@@ -149,11 +161,15 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
     # Under ep the routed experts are FSDP units of their own, over the dp_shard / ep ranks
     # holding the same experts (stride tp x ep).
-    _, local, routed, unit, n_units, n_moe, sharded = max(fsdp)
+    _, local, routed, unit, n_units, n_moe, sharded, f8 = max(fsdp)
     (ds, _), (dr, _) = dp_g, rep_g
     de, ex_g = expert_shard_degree(lay), (expert_shard_degree(lay), t * ep)
     n_ag, n_rs = fsdp_rounds(lay, job)
-    ag = BF16 * local * (ds - 1) / ds
+    # Float8 all-gather: f8 of the local parameters gather at one byte, not two; the
+    # largest unit saves its share when it is a dense block.
+    saved = (BF16 - FLOAT8) * f8
+    unit_saved = (BF16 - FLOAT8) * m.layer_split / t if f8 and unit == m.layer_split / t + m.layer_replicated else 0.0
+    ag = (BF16 * local - saved) * (ds - 1) / ds
     rs = FP32 * local * (ds - 1) / ds
     ar = 2 * FP32 * local / ds * (dr - 1) / dr
     ag_e, rs_e = BF16 * routed * (de - 1) / de, FP32 * routed * (de - 1) / de
@@ -163,18 +179,20 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     gather = lambda params, g=dp_g: net.seconds("all-gather", BF16 * params, *g)
     reduce = lambda params: (net.seconds("reduce-scatter", FP32 * params, *dp_g)
                              + net.seconds("all-reduce", FP32 * params / ds, *rep_g))
-    round_ag, round_rs = n_units * gather(per_unit), n_units * reduce(per_unit)
+    round_ag = n_units * net.seconds("all-gather", (BF16 * local - saved) / n_units, *dp_g)
+    round_rs = n_units * reduce(per_unit)
     if routed:
         round_ag += n_moe * gather(routed / n_moe, ex_g)
         round_rs += n_moe * net.seconds("reduce-scatter", FP32 * routed / n_moe, *ex_g)
     fsdp_time = n_ag * round_ag + n_rs * round_rs
+    first_gather = net.seconds("all-gather", BF16 * unit - unit_saved, *dp_g)
     # Overlap: FSDP2 prefetches, so its collectives hide behind compute except the first
     # unit's gather and the last unit's reduction of each round. Under a pipeline the one
     # reduce-scatter (+ HSDP all-reduce) runs after the last backward: fully exposed.
     if lay.pp > 1:
-        exposed = max(0.0, n_ag * round_ag - compute) + gather(unit) + round_rs
+        exposed = max(0.0, n_ag * round_ag - compute) + first_gather + round_rs
     else:
-        exposed = max(0.0, fsdp_time - compute) + n_mb * (gather(unit) + reduce(unit))
+        exposed = max(0.0, fsdp_time - compute) + n_mb * (first_gather + reduce(unit))
     # AdamW is memory-bound: read param, grad, m, v; write param, m, v (fp32), + the grad norm.
     optimizer = 8 * FP32 * sharded / gpu.hbm_bandwidth
     # Muon (planning/muon.py): Newton-Schulz on the whole matrices this rank owns and the
@@ -198,6 +216,29 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                "bubble": bubble, "fsdp": exposed, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
+
+
+def float8_gathered(job: Job, share, tp: int) -> float:
+    """Parameters of one GPU of this pipeline rank that FSDP gathers in float8 under
+    [float8] enable_fsdp_float8_all_gather: the dense blocks' Linear weights (/ tp), which
+    parallel/float8.py converts when their sizes are multiples of 16. Embeddings, norms,
+    biases, the output layer (never converted) and MoE blocks (not modelled) gather in bf16."""
+    m = job.model
+    if not (job.float8 and job.float8_all_gather) or any(x % 16 for x in (m.dim, m.kv_dim, m.ffn_hidden)):
+        return 0.0
+    return (share.layers - share.moe_layers) * m.layer_split / tp
+
+
+def stage_seconds(shares, per_rank: list[float]) -> list[float]:
+    """Seconds of one micro-batch through each stage, by global stage index, from each pp
+    rank's time for all its stages (``per_rank``). One stage per rank: its rank's. Several:
+    the rank's time split by their layers (the embedding's and the output layer's time
+    spread over the rank's stages with them)."""
+    out = [0.0] * shares[0].n_stages
+    for share, seconds in zip(shares, per_rank):
+        for sid, layers in zip(share.stage_ids, share.stage_layers):
+            out[sid] = seconds * layers / share.layers
+    return out
 
 
 def cp_exchange_bytes(m: ModelShape, s: int, b: int, t: int, cp: int) -> float:

@@ -42,3 +42,35 @@ def test_the_tensorwise_factor_gives_the_measured_speedup_at_the_benchmarks_shap
                           + head_seconds(m, tokens=8192, tp=1, gpu=H100).total)
     assert run("") / run("tensorwise") == pytest.approx(1.16, abs=0.005)
     assert run("") / run("rowwise") == pytest.approx(1.00, abs=0.005)
+
+
+def test_float8_all_gather_halves_the_gathered_bytes_of_the_converted_linear_weights_only():
+    """[float8] enable_fsdp_float8_all_gather: FSDP gathers each float8 Linear's weight at one
+    byte a parameter. Counted on the model itself -- the layers parallel/float8.py converts
+    (every block Linear; not the embedding, the norms or the output layer) -- the planner's
+    FSDP all-gather bytes drop by exactly those weights' bytes, at each gather of the step;
+    the reduce-scatters (fp32 gradients) do not change."""
+    pytest.importorskip("torchao")
+    from meshtrain.parallel.float8 import apply_float8
+    from meshtrain.models import registry
+    from meshtrain.planning.estimate import estimate_config, planner_job
+    from meshtrain.planning.step_time import fsdp_rounds
+    from meshtrain.training import recipe
+    from meshtrain.training.config_loader import load_config
+
+    base = ["--model.n_layers=4", "--parallelism.tp=2", "--float8.enable=true"]
+    plain = load_config("llama3_8b", base)
+    gathers = load_config("llama3_8b", base + ["--float8.enable_fsdp_float8_all_gather=true"])
+    world, tp = 8, 2
+    a, b = estimate_config(plain, world, 8, H100), estimate_config(gathers, world, 8, H100)
+
+    model = recipe.build_model(gathers, tokenizer_vocab=1)
+    converted = apply_float8(model, skip=registry.get(gathers.model.name).high_precision)
+    float8_params = sum(model.get_submodule(name).weight.numel() for name in converted)
+    assert converted and not any("output" in n or "embed" in n for n in converted)
+    lay = b.layout
+    ds = lay.dp_shard
+    n_ag, _ = fsdp_rounds(lay, planner_job(gathers, lay, model, world, 8, H100))
+    saved = n_ag * float8_params / tp * (ds - 1) / ds  # 2 bytes -> 1 per converted weight
+    assert a.comm_bytes["dp_shard"] - b.comm_bytes["dp_shard"] == pytest.approx(saved, rel=1e-9)
+    assert b.times["fsdp"] <= a.times["fsdp"] and b.fsdp_comm_time < a.fsdp_comm_time

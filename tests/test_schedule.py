@@ -93,3 +93,29 @@ def test_playing_torchs_schedule_gives_the_textbook_bubble(schedule, pp, v, m):
     # Unequal forward and backward: 1F1B's fill is pp - 1 forwards, its drain pp - 1 backwards.
     if schedule == "1F1B":
         assert makespan(schedule, pp, v, m, 1.0, 5.0) == pytest.approx(m * 6 + (pp - 1) * 6)
+
+
+@pytest.mark.parametrize("pp, m", [(16, 16), (16, 64), (32, 32)])
+def test_a_send_between_ranks_delays_a_deep_pipeline_by_its_fill_and_drain_hops(pp, m):
+    """GPipe: rank r's first forward waits for r hops down, the first stage's last backward
+    for pp - 1 hops back up; the steady state has slack. So a transfer time d between ranks
+    lengthens the step by exactly 2 (pp - 1) d: (m + pp - 1)(f + b) + 2 (pp - 1) d.
+    1F1B pays at least the same fill and drain, and more: its steady state has no slack, so
+    each backward waits for the next rank's round trip."""
+    d = 0.01
+    assert makespan("GPipe", pp, 1, m, 1.0, 2.0, d) == pytest.approx((m + pp - 1) * 3 + 2 * (pp - 1) * d)
+    assert makespan("1F1B", pp, 1, m, 1.0, 2.0, d) - makespan("1F1B", pp, 1, m, 1.0, 2.0) > 2 * (pp - 1) * d
+    # Interleaved: consecutive stages sit on different ranks, every hop counts as well.
+    assert makespan("Interleaved1F1B", pp, 2, m, 0.5, 1.0, d) > makespan("Interleaved1F1B", pp, 2, m, 0.5, 1.0)
+
+
+@pytest.mark.parametrize("schedule, pp, m", [("GPipe", 16, 32), ("1F1B", 16, 32), ("1F1B", 4, 8)])
+def test_a_heavier_last_stage_lengthens_the_step_by_its_extra_on_every_microbatch(schedule, pp, m):
+    """The output layer and loss make the last stage x heavier per micro-batch. It runs all
+    m micro-batches on the critical path; the other stages' fill and drain keep their own
+    (lighter) time: the step grows by m x, not by the (m + pp - 1) x of charging every stage
+    as the heaviest."""
+    x = 0.3
+    forward, backward = [1.0] * pp, [2.0] * pp
+    forward[-1], backward[-1] = 1.0 + x / 3, 2.0 + 2 * x / 3
+    assert makespan(schedule, pp, 1, m, forward, backward) == pytest.approx((m + pp - 1) * 3 + m * x)

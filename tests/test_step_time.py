@@ -50,3 +50,22 @@ def test_torchtitan_rows_are_all_optimistic():
     # our 700 W H100 the same block reaches 45.6% / 50.7% MFU, on theirs 33.7% / 39.0%.
     for row in validation.torchtitan():
         assert 0.3 < error(row) < 0.8, (row["run"], f"{error(row):+.0%}")
+
+
+def test_a_pipelines_sends_are_on_the_timeline_gpipe_pays_its_fill_and_drain_hops():
+    """GPipe over 8 nodes (pp 8, TP 8): each send between stages -- latency plus the
+    sequence-sharded activation's bytes through the NIC (planning/hardware.py) -- delays the
+    next stage's action. The fill crosses pp - 1 boundaries down and the drain pp - 1 back
+    up; the steady state has slack, so the step's pipeline transfer time is 2 (pp - 1)
+    hops, not the sends' sum over every micro-batch."""
+    from meshtrain.parallel import ParallelDims
+    from meshtrain.planning.step_time import step_time
+
+    job = validation.megatron()[6]["job"]  # GPT 177B: 96 layers, 4096 tokens, hidden 12288
+    pp, t, m = 8, 8, 16
+    lay = ParallelDims(tp=t, pp=pp, pp_schedule="GPipe", pp_microbatches=m, stages_per_rank=1, dp_replicate=1,
+                       dp_shard=job.world // (t * pp), world_size=job.world, strategy="SHARD_GRAD_OP", ac="full",
+                       micro_batch=1)
+    hop = job.net.seconds("send/recv", 2 * 4096 * job.model.dim / t, pp, t * lay.dp)
+    assert hop > 0
+    assert step_time(job, lay).times["pp"] == pytest.approx(2 * (pp - 1) * hop, rel=1e-6)
