@@ -77,8 +77,10 @@ GPUS: dict[str, GPU] = {
     # 180 GB HBM3e at 8 TB/s as DGX B200 exposes it, NVLink 5 at 1.8 TB/s per GPU, eight 400 Gb/s
     # ConnectX-7 NICs. Not measured here: matmul 0.8, copy 90% of spec and attention 35% assumed.
     "b200": GPU("B200 SXM 180GB", "B200", 2250e12, 180 * GIB, 0.9 * 8.0e12, 1800 * GB / 2, 400e9 / 8, 0.8, sms=148),
-    "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6, sms=108),
-    "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6, sms=108),
+    "a100-80gb": GPU("A100 SXM 80GB", "A100", 312e12, 80 * GIB, 0.9 * 2.0e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6,
+                      sms=108),
+    "a100-40gb": GPU("A100 SXM 40GB", "A100", 312e12, 40 * GIB, 0.9 * 1.6e12, 600 * GB / 2, 200e9 / 8, 0.8, 0.6,
+                      sms=108),
 }
 # What the allocator's peak must leave free: the CUDA context and NCCL's buffers (neither
 # is a tensor, so neither is traced or estimated) and the caching allocator's rounding and
