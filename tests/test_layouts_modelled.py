@@ -83,10 +83,15 @@ def test_gpipe_runs_fewer_micro_batches_than_stages_and_the_refusal_names_it():
                        micro_batch=1, pp_schedule="GPipe", pp_microbatches=2)
     check_layout(job, lay)
     e = estimate(job, lay)
-    # GPipe: every micro-batch's forwards, then every backward; with one stage time c per
-    # micro-batch the step is (m + pp - 1) c, of which m c is work: a bubble of (pp - 1) c.
-    busy = e.times["compute"] + e.times["tp"] + e.times["pp"]
-    assert e.times["bubble"] == pytest.approx((4 - 1) * busy / 2)
+    # GPipe: every micro-batch's forwards, then every backward. With stage times c_i per
+    # micro-batch the step is sum(c_i) + (m - 1) max(c_i), of which m max(c_i) is the
+    # slowest rank's work: a bubble of the other stages' sum(c_i) - max(c_i) -- (pp - 1) c
+    # for equal stages. The last stage also runs the output layer and the loss (the
+    # heaviest); every other stage is within that of it: between (pp - 2) and (pp - 1)
+    # of the heaviest's time (tests/test_schedule.py checks the makespan exactly).
+    busy = e.times["compute"] + e.times["tp"]
+    c_max = busy / 2
+    assert (4 - 2) * c_max < e.times["bubble"] < (4 - 1) * c_max
     # The search offers GPipe only where 1F1B is refused, and then it is there.
     offered = [lay for lay in candidates(job) if lay.pp_schedule == "GPipe" and lay.pp > 1]
     assert offered and all(lay.pp_microbatches < lay.pp for lay in offered)
