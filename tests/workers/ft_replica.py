@@ -25,6 +25,7 @@ import meshtrain.training.recipe as recipe
 records, seconds, kill_step, argv = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 first_attempt = attempt == 0
+RESTART_DELAY = 8.0  # seconds
 real_log = metrics.MetricsLogger.log
 
 
@@ -48,4 +49,9 @@ def train_step(*args, step, **kwargs):
 
 
 recipe.train_step = train_step
+if not first_attempt and kill_step:
+    # A restart on a cluster takes tens of seconds (rescheduling, start-up); here torchrun
+    # restarts the group in a few, sooner than the survivors notice it was gone. Wait, so
+    # the survivors train alone meanwhile, as they would there.
+    time.sleep(RESTART_DELAY)
 sys.exit(train.run(argv))
