@@ -18,24 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from bench.peer_torchtitan import ROOT, ROW
+from bench.peer_torchtitan import run_side
 
 ORDER = ("bf16", "float8", "float8", "bf16")
-
-
-def run_one(argv: list[str], timeout: float = 900) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "bench.peer_torchtitan", *argv, "--side", "meshtrain"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    rows = [json.loads(line[len(ROW):]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
-    if proc.returncode or not rows:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return rows[0]
 
 
 def measure(device: str, layers: int, accums: list[int], recipe: str, steps: int, warmup: int,
@@ -50,7 +37,7 @@ def measure(device: str, layers: int, accums: list[int], recipe: str, steps: int
                     "--steps", str(steps), "--warmup", str(warmup), "--dtype", "bfloat16" if gpu else "float32",
                     "--ac", "op", "--compile", "--compile-loss"]
             argv += ["--float8", "--float8-recipe", recipe] if precision == "float8" else []
-            runs[precision].append(run_one(argv))
+            runs[precision].append(run_side("meshtrain", argv))
         mean = {k: sum(r["tokens_per_second"] for r in v) / len(v) for k, v in runs.items()}
         row = {"accum": accum, "bf16_tokens_per_second": mean["bf16"], "float8_tokens_per_second": mean["float8"],
                "speedup": mean["float8"] / mean["bf16"], "runs": runs,

@@ -194,6 +194,21 @@ def measure_side(side: str, args) -> dict:
     return throughput.measure(name, build, args, mesh, device, flops, device_peak_flops(device), args.compile)
 
 
+def run_side(side: str, argv: list[str], nproc: int = 1, timeout: float = 900) -> dict:
+    """One side's row (`measure_side`), measured in a fresh process (under torchrun when
+    ``nproc`` > 1). ``argv``: bench/throughput.py's options."""
+    module = ["-m", "bench.peer_torchtitan", *argv, "--side", side]
+    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                             if nproc > 1 else []), *module]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    rows = [json.loads(line[len(ROW):]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
+    if proc.returncode or not rows:
+        raise RuntimeError(f"the {side} run ({' '.join(argv)}) exited {proc.returncode}:\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return rows[0]
+
+
 def compare(argv: list[str], nproc: int = 1, timeout: float = 900) -> dict:
     """Four runs in the order torchtitan, meshtrain, meshtrain, torchtitan (ABBA, against
     drift in clocks and temperature), each in a fresh process: on an H100, meshtrain measured
@@ -202,17 +217,8 @@ def compare(argv: list[str], nproc: int = 1, timeout: float = 900) -> dict:
     order, not the code. ``argv``: bench/throughput.py's options. Returns each side's rows,
     its tokens/s averaged, and meshtrain's over torchtitan's."""
     runs = {"torchtitan": [], "meshtrain": []}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     for side in ORDER:
-        cmd = [sys.executable, "-m", "bench.peer_torchtitan", *argv, "--side", side]
-        if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", "bench.peer_torchtitan", *argv, "--side", side]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        rows = [json.loads(line[len(ROW):]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
-        if proc.returncode or not rows:
-            raise RuntimeError(f"the {side} run exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-        runs[side].append(rows[0])
+        runs[side].append(run_side(side, argv, nproc, timeout))
     result = {"order": ", ".join(ORDER) + " (each a fresh process)"}
     for side, rows in runs.items():
         result[side] = {**rows[0], "runs": rows}

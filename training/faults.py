@@ -104,8 +104,7 @@ def is_collective_failure(err: BaseException) -> bool:
         return False
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(
-        word in text for word in ("timed out", "timeout", "connection closed", "connection reset",
-                                  "broken pipe", "peer", "nccl error", "gloo"))
+        word in text for word in ("timed out", "timeout", *hang_report.PEER_GONE_WORDS, "peer", "nccl error", "gloo"))
 
 
 def describe_collective_failure(err: BaseException, timeout: float) -> str:

@@ -175,12 +175,20 @@ class HangWatch:
         # closed its connection (it died), there is no stalled rank to wait for: the live ones
         # write as their own errors surface, some only once this rank exits and closes its
         # connections -- waiting for them would outlast torchrun's 30 s grace, ending in SIGKILL.
-        text_of_err = str(err).lower()
-        peer_gone = any(w in text_of_err for w in ("connection closed", "connection reset", "broken pipe"))
-        wait = 1.0 if peer_gone else 2 * self.poll_seconds() + 5
+        wait = 1.0 if peer_gone(err) else 2 * self.poll_seconds() + 5
         text = summarize(self.records(wait=wait), self.world_size)
         _write_atomically(self.folder / "summary.txt", text)
         return text
+
+
+# How gloo and NCCL word a collective whose peer process is gone (as opposed to one that
+# timed out waiting for a live peer).
+PEER_GONE_WORDS = ("connection closed", "connection reset", "broken pipe")
+
+
+def peer_gone(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(word in text for word in PEER_GONE_WORDS)
 
 
 def watch(run_dir: Path, mesh, timeout: float) -> HangWatch:
