@@ -12,12 +12,13 @@ Each file has one concern; imports go one way, from the bottom of this list to t
     shape.py        what is planned: the model's sizes, the job (a layout is parallel's ParallelDims)
     schedule.py     torch's pipeline schedules as lists of forwards and backwards
     kernels.py      compute seconds of a block, op class by op class
+    param_passes.py bytes of the passes over the parameters: FSDP2's copies, clipping, AdamW
     shares.py       what each pipeline rank holds and runs
     fake_world.py   a fake process group and torch's memory tracker, for tracing
     collectives.py  a traced step's collectives, by mesh dimension
     activations.py  activation bytes, traced on a two-block copy of the model
     memory.py       peak memory per GPU
-    step_time.py    step time: compute, exposed traffic, the bubble, the optimizer
+    step_time.py    step time: compute, exposed traffic, the bubble, the passes over the parameters
     report.py       estimates as text, and a layout as a train.py config
     estimate.py     memory + time = one layout's estimate; a train.py config's estimate
     traced_step.py  one rank's training step on fake tensors, as train.py builds it

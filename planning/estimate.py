@@ -108,7 +108,7 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
 
         muon, muon_shapes = hidden_shapes(model, registry.get(cfg.model.name).output_layer)
     return Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
-               compiled=cfg.compile.enable, trainable=trainable, muon=muon,
+               compiled=cfg.compile.enable, trainable=trainable, muon=muon, clip=cfg.training.max_norm > 0,
                muon_shapes=muon_shapes, ns_steps=cfg.optimizer.ns_steps,
                float8=cfg.float8.recipe if cfg.float8.enable else "",
                float8_all_gather=cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather,

@@ -181,6 +181,7 @@ class Job:
     # Newton-Schulz iterations: the step's compute, all-to-alls and memory (planning/muon.py).
     muon_shapes: tuple = ()
     ns_steps: int = 5
+    clip: bool = True  # [training] max_norm > 0: the gradients are scaled each step (planning/param_passes.py)
     float8: str = ""  # [float8] recipe when enabled: the blocks' matmuls run faster (planning/kernels.py)
     # [float8] enable_fsdp_float8_all_gather: FSDP gathers the blocks' float8 Linear weights
     # in float8, one byte each (planning/step_time.py float8_gathered)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from meshtrain.parallel.context_parallel import kv_repeats
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
-from meshtrain.planning import muon
+from meshtrain.planning import muon, param_passes
 from meshtrain.planning.kernels import block_seconds, expert_seconds, head_seconds
 from meshtrain.planning.memory import (BF16, FP32, expert_shard_degree, largest_unit, rank_params,
                                        rank_sharded_params)
@@ -193,8 +193,11 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         exposed = max(0.0, n_ag * round_ag - compute) + first_gather + round_rs
     else:
         exposed = max(0.0, fsdp_time - compute) + n_mb * (first_gather + reduce(unit))
-    # AdamW is memory-bound: read param, grad, m, v; write param, m, v (fp32), + the grad norm.
-    optimizer = 8 * FP32 * sharded / gpu.hbm_bandwidth
+    # Passes over the parameters, memory-bound (planning/param_passes.py): FSDP2's copies
+    # around its collectives, the gradient norm and clipping, AdamW.
+    copies = param_passes.fsdp_copy_bytes(local + routed, sharded, (n_ag, n_rs)) / gpu.hbm_bandwidth
+    clip = param_passes.clip_bytes(sharded, job.clip) / gpu.hbm_bandwidth
+    optimizer = param_passes.adamw_bytes(sharded) / gpu.hbm_bandwidth
     # Muon (planning/muon.py): Newton-Schulz on the whole matrices this rank owns and the
     # all-to-alls that bring them and take them back, after the backward: all exposed.
     # On the pipeline rank with the most layers (the others wait for it at the next step).
@@ -204,7 +207,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         muon_bytes, a2a_time = muon.all_to_all(job, lay, most)
         muon_time = muon.compute_seconds(job, lay, most) + a2a_time
 
-    step = busy + bubble + exposed + optimizer + muon_time
+    step = busy + bubble + exposed + copies + clip + optimizer + muon_time
     return StepTime(
         seconds=step,
         comm_bytes={"dp_shard": n_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
@@ -213,7 +216,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                     **{f"muon_{d}": b for d, b in muon_bytes.items()}},
         times={"compute": compute, "tp": tp_time, "pp": pp_time, **({"cp": cp_time} if cp > 1 else {}),
                **({"ep": ep_time} if ep > 1 else {}),
-               "bubble": bubble, "fsdp": exposed, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
+               "bubble": bubble, "fsdp": exposed, "fsdp_copies": copies, "clip": clip, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
 

@@ -2,10 +2,11 @@
 
 Our own: bench/gpu_check.py's six bf16 runs on one H100 SXM (Llama 3 8B's block, eager and
 compiled, AC none / op / full; bench/results/2026-11-22_h100_run5.json) are estimated within
-15%, all optimistic (+7% to +14%). Running attention at the matmul's speed and leaving the
-memory-bound work out (near the flat model this replaced) puts them at +54% to +97%, and
-leaving only the eager RMSNorm's fp32 passes out puts two of the three eager runs at
-+23% and +25%: the check fails for either.
+15% (-6% to -1%). Running attention at the matmul's speed and leaving the memory-bound work
+out (near the flat model this replaced) puts them at +54% to +97%, and leaving only the
+eager RMSNorm's fp32 passes out puts two of the three eager runs at +23% and +25%: the
+check fails for either. The passes over the parameters (planning/param_passes.py) are held
+to the kernels that ran them in torch's profile of the same step.
 
 Published: Megatron-LM's weak-scaling rows with a pipeline are within 15%; the rows where
 the estimate misses (docs/planning.md names each cause) are pinned to the side they miss
@@ -40,9 +41,48 @@ def test_megatron_pipeline_rows_within_15_percent_and_the_tp_only_rows_optimisti
     for row in rows:
         if row["layout"].pp > 1:
             assert abs(error(row)) <= 0.15, (row["run"], f"{error(row):+.0%}")
-        else:  # Still optimistic with matmuls timed by shape (planning/matmul.py: 1.7B +46% -> +43%,
-            # 16B +21% -> +17%): what is left of the miss is not the roofline's (docs/planning.md).
-            assert 0 < error(row) < 0.5, (row["run"], f"{error(row):+.0%}")
+        else:  # 1.7B to 16B still optimistic with matmuls timed by shape (planning/matmul.py:
+            # 1.7B +46% -> +43% -> +41% with the passes over the parameters): what is left of
+            # the miss is not the roofline's (docs/planning.md); 16B and 32B within 15%.
+            assert -0.15 < error(row) < 0.5, (row["run"], f"{error(row):+.0%}")
+            if row["job"].model.dim < 6144:
+                assert error(row) > 0.15, (row["run"], f"{error(row):+.0%}")
+
+
+PROFILE = ROOT / "bench/results/2026-11-26_h100_ac_policy_profile.txt"
+# The kernels that pass over the parameters in that profile: FSDP2's copies (aten::copy_: the
+# copy-out memcpys, the casts and the copy-in; chunk_cat into the reduce-scatter input), the
+# gradient norm and its scaling, fused AdamW.
+PASS_OPS = ("aten::copy_", "aten::_chunk_cat", "aten::_foreach_norm", "aten::_foreach_mul_", "aten::_fused_adamw_")
+
+
+def profile_self_cuda(section: str) -> dict[str, float]:
+    """Self CUDA seconds by op name from one section of torch's profiler table."""
+    import re
+
+    unit = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+    rows, inside = {}, False
+    for line in PROFILE.read_text().splitlines():
+        if line.startswith("=="):
+            inside = line.strip("= ").startswith(section)
+            continue
+        cells = re.split(r"\s{2,}", line.strip())
+        if inside and len(cells) == 11 and cells[0] != "Name" and not cells[0].startswith("-"):
+            value = re.fullmatch(r"([\d.]+)(us|ms|s)", cells[6])
+            rows[cells[0]] = float(value[1]) * unit[value[2]]
+    return rows
+
+
+def test_the_passes_over_the_parameters_take_what_the_h100_profile_measured():
+    """torch's profile of two bf16 steps (10 Llama-3-8B blocks, one 8,192-token sequence,
+    compiled, op AC, one H100 FSDP rank: the run5 row 'compile ac=op'): the kernels above
+    took 88 ms a step; the planner charges its FSDP copies, clipping and AdamW 84 ms. Without
+    the clipping it would charge 71 (-20%), without FSDP's copies 47: the check fails."""
+    measured = sum(profile_self_cuda("bf16 ac=op default")[op] for op in PASS_OPS) / 2
+    row = next(r for r in validation.ours() if r["run"].endswith("compile ac=op"))
+    times = estimate(row["job"], row["layout"]).times
+    planned = times["fsdp_copies"] + times["clip"] + times["optimizer"]
+    assert planned == pytest.approx(measured, rel=0.15), (planned, measured)
 
 
 def test_torchtitan_rows_are_all_optimistic():
