@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.planning import muon
 from meshtrain.planning.activations import profile_for
+from meshtrain.planning.kernels import gated
 from meshtrain.planning.schedule import rank_actions
 from meshtrain.planning.shape import Job, ModelShape, keeps_gathered, rank_batch, shard_degree
 from meshtrain.planning.shares import RankShare, checkpointed_blocks, checkpointed_moe_blocks, rank_shares
@@ -55,10 +56,12 @@ def layer_activation_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
       q after rotary, attention output (= wo input)                   2 x 2sbh/t
       k, v at kv width (GQA)                                          2 x 2sb·kv/t
       SwiGLU: w1 out, silu out, w3 out, their product (= w2 input)    4 x 2sb·f/t
+        (a GeLU MLP, two matrices: fc out, GeLU out (= proj input)      2 x 2sb·f/t)
       SDPA's fp32 log-sum-exp per head                                4sb·a/t
     Flash attention keeps no s x s matrix; rotary saves only its cos/sin tables."""
     h, f, kv, a = m.dim, m.ffn_hidden, m.kv_dim, m.n_heads
-    return s * b * (BF16 * 2 * h + (BF16 * (4 * h + 2 * kv + 4 * f) + FP32 * a) / t)
+    ffn = 4 if gated(m) else 2
+    return s * b * (BF16 * 2 * h + (BF16 * (4 * h + 2 * kv + ffn * f) + FP32 * a) / t)
 
 
 def block_input_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
