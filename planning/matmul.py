@@ -2,9 +2,10 @@
 
     seconds = gemm_seconds(16384, 4096, 14336, gpu)
 
-A measured table when the project has one for this GPU (`bench.kernel_speeds`' JSON in
-bench/results: its rate for the nearest measured shapes, interpolated in log space), else a
-roofline with the GPU's measured large-matmul rate as its asymptote:
+A measured table when the project has one for this GPU (a `bench.kernel_speeds` JSON in
+physics/kernels/, shipped with the package: its rate for the nearest measured shapes,
+interpolated in log space), else a roofline with the GPU's measured large-matmul rate as
+its asymptote:
 
     time = max(compute + epilogue, memory) + KERNEL_GAP
 
@@ -52,7 +53,9 @@ TILE = (128, 256)
 # on a stream takes 3.8 us per kernel: about 1 us each between kernels.
 KERNEL_GAP = 1e-6
 ASYMPTOTE = (8192, 8192, 8192)  # the shape physics/gpus.py's matmul_efficiency was measured on
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+# Measured tables ship with the package (pyproject's package-data), so an installed
+# meshtrain plans as a checkout does; bench/ is not installed.
+TABLES = Path(__file__).resolve().parents[1] / "physics" / "kernels"
 
 
 def tiles(m: int, n: int) -> int:
@@ -127,10 +130,10 @@ def table_rate(rows, m: int, k: int, n: int) -> float:
 
 @lru_cache(maxsize=65536)
 def gemm_seconds(m: int, k: int, n: int, gpu) -> float:
-    """Seconds of (m x k) @ (k x n) in bf16 on ``gpu``: measured rates where bench/results
+    """Seconds of (m x k) @ (k x n) in bf16 on ``gpu``: measured rates where physics/kernels/
     has them for this GPU, the roofline elsewhere. Cached: the search asks for few shapes
     many times."""
-    rows = measured_tables(RESULTS).get(gpu.name)
+    rows = measured_tables(TABLES).get(gpu.name)
     if rows:
         return 2 * m * k * n / table_rate(rows, m, k, n)
     return roofline_seconds(m, k, n, gpu)

@@ -84,7 +84,7 @@ def test_a_measured_table_replaces_the_roofline_for_its_gpu(tmp_path, monkeypatc
     assert table_rate(table, 4096, 4096, 4096) == 400e12
     assert table_rate(table, 2048, 4096, 4096) == pytest.approx(200e12, rel=1e-12)
     # The planner's matmul time uses it for that GPU, the roofline for the others.
-    monkeypatch.setattr(matmul, "RESULTS", tmp_path)
+    monkeypatch.setattr(matmul, "TABLES", tmp_path)
     gemm_seconds.cache_clear()
     try:
         assert gemm_seconds(4096, 4096, 4096, H100) == pytest.approx(2 * 4096**3 / 400e12, rel=1e-12)
