@@ -4,8 +4,8 @@ FSDP2's copies around its collectives, gradient clipping and AdamW.
     seconds = fsdp_copy_bytes(local, sharded, rounds=(2, 1)) / gpu.hbm_bandwidth
 
 They scale with the parameters a GPU holds, not with its tokens: a few percent of a step
-with a long local batch, a sixth of one with a short one (one H100, 3.2 B parameters, one
-8,192-token sequence: docs/planning.md, "Passes over the parameters").
+with a long local batch, a quarter of one with a short one (one H100, 3.2 B parameters, one
+8,192-token sequence: 84 ms of 345; docs/planning.md, Step time).
 Byte counts are read from torch's own code (torch/distributed/fsdp/_fully_shard/
 _fsdp_collectives.py, torch/nn/utils/clip_grad.py, torch/optim/adamw.py), reads plus writes,
 at the GPU's measured copy bandwidth (physics/gpus.py `hbm_bandwidth`, which counts both).
