@@ -45,11 +45,13 @@ RMS_NORM_EAGER = 40
 # [float8] recipe -> how much faster the Linear layers' matmuls run than in bf16 (the
 # output layer, attention and element-wise work stay bf16). From the H100 measurement of
 # docs/benchmarks.md (10 Llama-3-8B blocks, seq 8192, compiled, op-level AC, one GPU:
-# tensorwise 1.16x bf16 tokens/s, rowwise 1.00x): the factor with which this file's split of
-# that step (block matmuls 53% of it) gives 1.16x; rowwise measured no gain. torchao's
-# published end-to-end gains are higher (tensorwise up to 1.25x at 8 GPUs / Llama 3 8B,
-# rowwise 1.12x, torchtitan commit 7a04053): docs/planning.md, Float8.
-FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.36, "rowwise": 1.0}
+# tensorwise 1.16x bf16 tokens/s, rowwise 1.00x): the factor with which the planner's whole
+# step there (block matmuls 41% of it, the passes over the parameters a quarter) gives 1.16x;
+# rowwise measured no gain. Net of float8's casts: the profile of that step times the block
+# matmuls themselves 1.93x faster (bench/results/2026-11-26_h100_ac_policy_profile.txt).
+# torchao's published end-to-end gains are higher (tensorwise up to 1.25x at 8 GPUs / Llama
+# 3 8B, rowwise 1.12x, torchtitan commit 7a04053): docs/planning.md, Float8.
+FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.52, "rowwise": 1.0}
 LOSS_BYTES = 36        # per logit: fp32 upcast, log-softmax (two reductions), its backward, the bf16 gradient
 
 
