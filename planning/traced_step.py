@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from meshtrain.parallel import clip_grad_norm_, loss_parallel_context, submesh
+from meshtrain.parallel.float8 import precompute_float8_scales
 from meshtrain.parallel.grad_clip import _whole_group
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning.schedule import Action, rank_actions, replay_prefix
@@ -91,6 +92,9 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
     t = cfg.training
     local, accum = layout.local_batch, layout.grad_accum(t.global_batch_size)
     loss_parallel = layout.tp > 1 and cfg.parallelism.loss_parallel
+    if recipe.precomputes_float8_scales(cfg):  # as train.py's step begins (recipe.with_float8_scales)
+        comm.scale, comm.phase = (lambda dim, kind: 1), "float8 scales"
+        precompute_float8_scales([part for _, part in parts])
 
     if layout.stage_layers is None:
         comm.scale = lambda dim, kind: accum

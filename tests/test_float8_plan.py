@@ -75,3 +75,20 @@ def test_float8_all_gather_halves_the_gathered_bytes_of_the_converted_linear_wei
     saved = n_ag * float8_params / tp * (ds - 1) / ds  # 2 bytes -> 1 per converted weight
     assert a.comm_bytes["dp_shard"] - b.comm_bytes["dp_shard"] == pytest.approx(saved, rel=1e-9)
     assert b.times["fsdp"] <= a.times["fsdp"] and b.fsdp_comm_time < a.fsdp_comm_time
+
+
+def test_the_dry_run_precomputes_float8_scales_as_train_py_does():
+    """With FSDP's float8 all-gather, train.py begins every step with
+    `precompute_float8_scales` (recipe.with_float8_scales), so the all-gathers use those
+    scales. Without it each all-gather computes its weights' scales itself: one all-reduce
+    per float8 weight per gather (112 over dp_shard here: 28 weights x 4 gathers), which the
+    dry run traced and train.py never issues."""
+    pytest.importorskip("torchao")
+    from meshtrain.planning.dry_run import dry_run
+    from meshtrain.training.config_loader import load_config
+
+    cfg = load_config("llama3_8b", ["--model.n_layers=4", "--parallelism.tp=2", "--float8.enable=true",
+                                    "--float8.enable_fsdp_float8_all_gather=true"])
+    comm = dry_run(cfg, 8, quiet=True)["comm"]
+    assert comm[("dp_shard", "all-gather")][0] == 22  # the gathers themselves: still traced
+    assert ("dp_shard", "all-reduce") not in comm, comm[("dp_shard", "all-reduce")]

@@ -475,12 +475,19 @@ def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Opti
     return with_float8_scales(cfg, run, step)
 
 
+def precomputes_float8_scales(cfg: JobConfig) -> bool:
+    """Whether each step begins with `precompute_float8_scales` (FSDP's float8 all-gather):
+    train.py's steps and the dry run's traced one alike."""
+    return cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather
+
+
 def with_float8_scales(cfg: JobConfig, run: Parts, step):
     """With FSDP's float8 all-gather, each step begins by computing every weight's float8
     scale from the weights as they are (`precompute_float8_scales`: one all-reduce), so the
     first step and a resumed one gather with the same scales as every other; otherwise
-    ``step`` itself."""
-    if not (cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather):
+    ``step`` itself. Without it each all-gather would compute its weights' scales itself,
+    one all-reduce per weight per gather."""
+    if not precomputes_float8_scales(cfg):
         return step
 
     def scales_then_step(micro_batches, number):
