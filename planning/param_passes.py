@@ -40,19 +40,23 @@ SCALE_BYTES = 8              # foreach_mul_: when clipping ([training] max_norm 
 ADAMW_BYTES = 8 * 4          # read p, g, m, v; write p, m, v (fp32), and the step's bookkeeping
 
 
-def fsdp_copy_bytes(local: float, sharded: float, rounds: tuple[int, int]) -> float:
+def fsdp_copy_bytes(local: float, sharded: float, rounds: tuple[int, int], trainable: float = 1.0) -> float:
     """Bytes FSDP2's copies move on one GPU per step: ``local`` parameters of its units
     (after TP), ``sharded`` of them its own, ``rounds`` (all-gathers, reduce-scatters) of
-    each unit per step (planning/step_time.py fsdp_rounds)."""
+    each unit per step (planning/step_time.py fsdp_rounds). Only the ``trainable`` fraction
+    has gradients to reduce ([lora]: the frozen base is gathered, never reduced)."""
     n_ag, n_rs = rounds
-    return n_ag * (GATHER_SHARD_BYTES * sharded + GATHER_UNIT_BYTES * local) + n_rs * REDUCE_UNIT_BYTES * local
+    return (n_ag * (GATHER_SHARD_BYTES * sharded + GATHER_UNIT_BYTES * local)
+            + n_rs * REDUCE_UNIT_BYTES * local * trainable)
 
 
 def clip_bytes(sharded: float, clip: bool = True) -> float:
-    """Bytes the gradient norm, and with ``clip`` the scaling, move over this GPU's shards."""
+    """Bytes the gradient norm, and with ``clip`` the scaling, move over ``sharded``
+    gradient shards (the trainable parameters')."""
     return (NORM_BYTES + (SCALE_BYTES if clip else 0)) * sharded
 
 
 def adamw_bytes(sharded: float) -> float:
-    """Bytes one fused AdamW step moves over this GPU's shards."""
+    """Bytes one fused AdamW step moves over ``sharded`` parameter shards (those AdamW
+    updates: the trainable ones, less Muon's matrices under [optimizer] name = "Muon")."""
     return ADAMW_BYTES * sharded

@@ -195,9 +195,11 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         exposed = max(0.0, fsdp_time - compute) + n_mb * (first_gather + reduce(unit))
     # Passes over the parameters, memory-bound (planning/param_passes.py): FSDP2's copies
     # around its collectives, the gradient norm and clipping, AdamW.
-    copies = param_passes.fsdp_copy_bytes(local + routed, sharded, (n_ag, n_rs)) / gpu.hbm_bandwidth
-    clip = param_passes.clip_bytes(sharded, job.clip) / gpu.hbm_bandwidth
-    optimizer = param_passes.adamw_bytes(sharded) / gpu.hbm_bandwidth
+    # Gradients, clipping and AdamW cover the trained parameters only ([lora]: the adapters),
+    # AdamW not Muon's matrices (job.muon: their fraction of the trained ones).
+    copies = param_passes.fsdp_copy_bytes(local + routed, sharded, (n_ag, n_rs), job.trainable) / gpu.hbm_bandwidth
+    clip = param_passes.clip_bytes(sharded * job.trainable, job.clip) / gpu.hbm_bandwidth
+    optimizer = param_passes.adamw_bytes(sharded * job.trainable * (1 - job.muon)) / gpu.hbm_bandwidth
     # Muon (planning/muon.py): Newton-Schulz on the whole matrices this rank owns and the
     # all-to-alls that bring them and take them back, after the backward: all exposed.
     # On the pipeline rank with the most layers (the others wait for it at the next step).

@@ -109,3 +109,22 @@ def test_a_pipelines_sends_are_on_the_timeline_gpipe_pays_its_fill_and_drain_hop
     hop = job.net.seconds("send/recv", 2 * 4096 * job.model.dim / t, pp, t * lay.dp)
     assert hop > 0
     assert step_time(job, lay).times["pp"] == pytest.approx(2 * (pp - 1) * hop, rel=1e-6)
+
+
+def test_the_passes_over_the_parameters_cover_what_trains():
+    """[lora] trains a fraction of the parameters: the frozen base is still gathered (and
+    copied) every round, but has no gradient to reduce, clip or update; under Muon its
+    matrices are not AdamW's. Charging every parameter, as for full training, fails this."""
+    import dataclasses
+
+    from meshtrain.planning.step_time import step_time
+
+    row = next(r for r in validation.ours() if r["run"].endswith("compile ac=op"))
+    times = lambda **kw: step_time(dataclasses.replace(row["job"], **kw), row["layout"]).times
+    full, frozen, lora = times(), times(trainable=0.0), times(trainable=0.01)
+    assert frozen["fsdp_copies"] > 0 and frozen["clip"] == frozen["optimizer"] == 0
+    reduce = full["fsdp_copies"] - frozen["fsdp_copies"]
+    assert reduce > 0 and lora["fsdp_copies"] == pytest.approx(frozen["fsdp_copies"] + 0.01 * reduce, rel=1e-9)
+    assert lora["clip"] == pytest.approx(0.01 * full["clip"], rel=1e-9)
+    assert lora["optimizer"] == pytest.approx(0.01 * full["optimizer"], rel=1e-9)
+    assert times(muon=0.8)["optimizer"] == pytest.approx(0.2 * full["optimizer"], rel=1e-9)
