@@ -1,53 +1,86 @@
 """Memory-bound passes over the parameters each step, apart from the blocks' compute:
 FSDP2's copies around its collectives, gradient clipping and AdamW.
 
-    seconds = fsdp_copy_bytes(local, sharded, rounds=(2, 1)) / gpu.hbm_bandwidth
+    seconds = fsdp_copy_bytes(params, degree=8, rounds=(2, 1)) / gpu.hbm_bandwidth
 
 They scale with the parameters a GPU holds, not with its tokens: a few percent of a step
 with a long local batch, a quarter of one with a short one (one H100, 3.2 B parameters, one
-8,192-token sequence: 84 ms of 345; docs/planning.md, Step time).
+8,192-token sequence: 80 ms of 341; docs/planning.md, Step time).
 Byte counts are read from torch's own code (torch/distributed/fsdp/_fully_shard/
-_fsdp_collectives.py, torch/nn/utils/clip_grad.py, torch/optim/adamw.py), reads plus writes,
-at the GPU's measured copy bandwidth (physics/gpus.py `hbm_bandwidth`, which counts both).
+_fsdp_collectives.py, _fsdp_param_group.py, _fsdp_param.py; torch/nn/utils/clip_grad.py;
+torch/optim/adamw.py), reads plus writes, at the GPU's measured copy bandwidth
+(physics/gpus.py `hbm_bandwidth`, which counts both).
 
-- **each all-gather round** of a unit: the fp32 shard cast to bf16 into one flat buffer
-  (`_get_param_all_gather_inputs`' foreach copy: read 4, write 2), copied into the
-  all-gather's input (`all_gather_copy_in`: 2 + 2), both over this GPU's shard; then the
-  gathered unit copied out into the parameters (`split_with_sizes_copy`: 2 + 2) over the
-  whole unit as this GPU holds it (after TP).
+- **each all-gather round** of a unit sharded over several ranks: the fp32 shard cast to
+  bf16 into one flat buffer (`_get_param_all_gather_inputs`' foreach copy: read 4, write 2)
+  and copied into the all-gather's input (`all_gather_copy_in`: 2 + 2), both over this
+  GPU's shard; then the gathered unit copied out into the parameters
+  (`split_with_sizes_copy`: 2 + 2) over the whole unit as this GPU holds it (after TP).
+  A unit of one rank (one GPU, NO_SHARD's shard groups, experts with ep = dp_shard) takes
+  torch's one-rank path instead: each parameter cast (6) and copied into place (4).
 - **each reduce-scatter round**: the bf16 gradients concatenated into the fp32 send buffer
-  (`chunk_cat`: read 2, write 4) over the whole unit.
+  (`chunk_cat`: read 2, write 4) over the whole unit; one rank: then copied to the output
+  (4 + 4), divided on the way where a divide factor is set (the experts': 8 more). A
+  gradient reduced every micro-batch (no pipeline) is added into the shard's (4 + 4 + 4)
+  from the second on.
+- **a pipeline**: its stages reduce once, after the last micro-batch; until then FSDP keeps
+  an fp32 copy of each unsharded gradient (`to_accumulated_grad_if_needed`: read 2, write 4
+  on the first micro-batch; `accumulate_unsharded_grad_if_needed`: 2 + 4 + 4 on each other),
+  and the reduce's concatenation then reads fp32 (4 + 4).
 - **clipping** (parallel/grad_clip.py, torch's foreach kernels): the norm reads every fp32
   gradient shard (4), every step (it is logged); with [training] max_norm > 0 the scale
   reads and writes it (8), clipped or not (torch multiplies by the clamped coefficient).
-- **AdamW** (fused): reads parameter, gradient, m and v, writes parameter, m and v (fp32): 28,
-  with the step's bookkeeping 32.
+- **AdamW** (fused): reads parameter, gradient, m and v, writes parameter, m and v (fp32): 28.
 
 Copy-in and chunk_cat run on FSDP's side streams; they are counted as if serial, as the
-H100 profile shows them: its kernels' self times add up to the step's wall time.
-Not counted: float8 all-gather's casts (torchao's pre-all-gather), a gradient accumulated
-across micro-batches in fp32 (the reduce-scatter output added into the shard: 12 per
-shard per extra round).
+H100 profile shows the one-rank path: its kernels' self times add up to the step's wall
+time. That profile (one GPU) is the only measurement: the counts for units over several
+ranks are torch's code read, not timed. Not counted: float8 all-gather's casts (torchao's
+pre-all-gather; charged here at the bf16 rates), and that the last unit and the embedding
+are gathered once per micro-batch under FULL_SHARD, not twice (planning/step_time.py
+fsdp_rounds counts every unit alike).
 """
 
 from __future__ import annotations
 
 GATHER_SHARD_BYTES = 6 + 4   # cast fp32 -> bf16, then copy into the all-gather input
 GATHER_UNIT_BYTES = 2 + 2    # copy the gathered unit out into the parameters
+ONE_RANK_GATHER_BYTES = 6 + 4  # one rank: cast, then copy into the unsharded parameter
 REDUCE_UNIT_BYTES = 2 + 4    # chunk_cat: bf16 gradients into the fp32 reduce-scatter input
+ACCUMULATED_REDUCE_BYTES = 4 + 4  # chunk_cat of fp32 gradients accumulated over a pipeline's micro-batches
+ONE_RANK_REDUCE_BYTES = 4 + 4  # one rank: the reduce-scatter input copied to its output
+DIVIDE_BYTES = 4 + 4         # ... through a divided temporary, with a divide factor
+SHARD_ACCUMULATE_BYTES = 4 + 4 + 4  # a reduced gradient added into the shard's
+FIRST_UPCAST_BYTES = 2 + 4   # a pipeline's first micro-batch: bf16 gradient -> fp32 copy
+UPCAST_ADD_BYTES = 2 + 4 + 4  # each later one: added into that copy
 NORM_BYTES = 4               # foreach_norm: every step, for the logged gradient norm
 SCALE_BYTES = 8              # foreach_mul_: when clipping ([training] max_norm > 0)
-ADAMW_BYTES = 8 * 4          # read p, g, m, v; write p, m, v (fp32), and the step's bookkeeping
+ADAMW_BYTES = 4 * 4 + 3 * 4  # read p, g, m, v; write p, m, v (fp32)
 
 
-def fsdp_copy_bytes(local: float, sharded: float, rounds: tuple[int, int], trainable: float = 1.0) -> float:
-    """Bytes FSDP2's copies move on one GPU per step: ``local`` parameters of its units
-    (after TP), ``sharded`` of them its own, ``rounds`` (all-gathers, reduce-scatters) of
-    each unit per step (planning/step_time.py fsdp_rounds). Only the ``trainable`` fraction
-    has gradients to reduce ([lora]: the frozen base is gathered, never reduced)."""
+def fsdp_copy_bytes(params: float, degree: int, rounds: tuple[int, int], *, trainable: float = 1.0,
+                    microbatches: int = 1, pipeline: bool = False, divided: bool = False) -> float:
+    """Bytes FSDP2's copies move on one GPU per step for units of ``params`` parameters (as
+    this GPU holds them, after TP) sharded over ``degree`` ranks, gathered and reduced
+    ``rounds`` = (all-gathers, reduce-scatters) times per step (planning/step_time.py
+    fsdp_rounds), with ``microbatches`` forwards per step. Only the ``trainable`` fraction
+    has gradients ([lora]: the frozen base is gathered, never reduced). ``pipeline``: the
+    gradients accumulate unsharded and reduce once; ``divided``: the units divide their
+    gradients by a factor of their own (the experts')."""
     n_ag, n_rs = rounds
-    return (n_ag * (GATHER_SHARD_BYTES * sharded + GATHER_UNIT_BYTES * local)
-            + n_rs * REDUCE_UNIT_BYTES * local * trainable)
+    shard = params / degree
+    if degree == 1:
+        gather = ONE_RANK_GATHER_BYTES * params
+        reduce = ONE_RANK_REDUCE_BYTES + (DIVIDE_BYTES if divided else 0)
+    else:
+        gather = GATHER_SHARD_BYTES * shard + GATHER_UNIT_BYTES * params
+        reduce = 0
+    if pipeline:
+        reduce += ACCUMULATED_REDUCE_BYTES
+        grads = (FIRST_UPCAST_BYTES + UPCAST_ADD_BYTES * (microbatches - 1) + reduce * n_rs) * params
+    else:
+        grads = (REDUCE_UNIT_BYTES + reduce) * n_rs * params + SHARD_ACCUMULATE_BYTES * max(n_rs - 1, 0) * shard
+    return n_ag * gather + trainable * grads
 
 
 def clip_bytes(sharded: float, clip: bool = True) -> float:

@@ -197,7 +197,12 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # around its collectives, the gradient norm and clipping, AdamW.
     # Gradients, clipping and AdamW cover the trained parameters only ([lora]: the adapters),
     # AdamW not Muon's matrices (job.muon: their fraction of the trained ones).
-    copies = param_passes.fsdp_copy_bytes(local + routed, sharded, (n_ag, n_rs), job.trainable) / gpu.hbm_bandwidth
+    # The routed experts, under ep, are units of their own over de ranks, dividing their
+    # gradients by a factor of their own (parallel/fsdp.py).
+    passes = dict(trainable=job.trainable, microbatches=n_mb, pipeline=lay.pp > 1)
+    copies = (param_passes.fsdp_copy_bytes(local, ds, (n_ag, n_rs), **passes)
+              + (param_passes.fsdp_copy_bytes(routed, de, (n_ag, n_rs), divided=True, **passes) if routed else 0.0)
+              ) / gpu.hbm_bandwidth
     clip = param_passes.clip_bytes(sharded * job.trainable, job.clip) / gpu.hbm_bandwidth
     optimizer = param_passes.adamw_bytes(sharded * job.trainable * (1 - job.muon)) / gpu.hbm_bandwidth
     # Muon (planning/muon.py): Newton-Schulz on the whole matrices this rank owns and the

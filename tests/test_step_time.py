@@ -8,7 +8,7 @@ eager RMSNorm's fp32 passes out puts two of the three eager runs at +23% and +25
 check fails for either. The passes over the parameters (planning/param_passes.py) are held
 to the kernels that ran them in torch's profile of the same step.
 
-Published: Megatron-LM's weak-scaling rows with a pipeline are within 15%; the rows where
+Published: Megatron-LM's weak-scaling rows with a pipeline are within 15% but one (-17%); the rows where
 the estimate misses (docs/planning.md names each cause) are pinned to the side they miss
 on, so a change that moves them is seen.
 """
@@ -35,12 +35,15 @@ def test_within_15_percent_of_our_measured_h100_runs(row):
     assert abs(error(row)) <= 0.15, f"{error(row):+.0%}"
 
 
-def test_megatron_pipeline_rows_within_15_percent_and_the_tp_only_rows_optimistic():
+def test_megatron_pipeline_rows_within_20_percent_and_the_tp_only_rows_optimistic():
     rows = validation.megatron()
     assert len(rows) == 9
     for row in rows:
         if row["layout"].pp > 1:
-            assert abs(error(row)) <= 0.15, (row["run"], f"{error(row):+.0%}")
+            # Pessimistic since the planner counts what an FSDP2 stage pays per micro-batch
+            # (an fp32 copy of each gradient, planning/param_passes.py: 70B -13% -> -17%),
+            # which Megatron fuses into its weight-gradient GEMM (gradient_accumulation_fusion).
+            assert -0.20 < error(row) <= 0.15, (row["run"], f"{error(row):+.0%}")
         else:  # 1.7B to 16B still optimistic with matmuls timed by shape (planning/matmul.py:
             # 1.7B +46% -> +43% -> +41% with the passes over the parameters): what is left of
             # the miss is not the roofline's (docs/planning.md); 16B and 32B within 15%.
@@ -50,9 +53,11 @@ def test_megatron_pipeline_rows_within_15_percent_and_the_tp_only_rows_optimisti
 
 
 PROFILE = ROOT / "bench/results/2026-11-26_h100_ac_policy_profile.txt"
-# The kernels that pass over the parameters in that profile: FSDP2's copies (aten::copy_: the
-# copy-out memcpys, the casts and the copy-in; chunk_cat into the reduce-scatter input), the
-# gradient norm and its scaling, fused AdamW.
+# The kernels that pass over the parameters in that profile, one FSDP rank: FSDP2's one-rank
+# path (aten::copy_: each parameter cast and copied into place per gather, the reduce's input
+# copied to its output; chunk_cat into that input), the gradient norm and its scaling, fused
+# AdamW. Units over several ranks take another path (copy-in, all-gather, copy-out), whose
+# counts are torch's code read, not measured here.
 PASS_OPS = ("aten::copy_", "aten::_chunk_cat", "aten::_foreach_norm", "aten::_foreach_mul_", "aten::_fused_adamw_")
 
 
@@ -76,8 +81,8 @@ def profile_self_cuda(section: str) -> dict[str, float]:
 def test_the_passes_over_the_parameters_take_what_the_h100_profile_measured():
     """torch's profile of two bf16 steps (10 Llama-3-8B blocks, one 8,192-token sequence,
     compiled, op AC, one H100 FSDP rank: the run5 row 'compile ac=op'): the kernels above
-    took 88 ms a step; the planner charges its FSDP copies, clipping and AdamW 84 ms. Without
-    the clipping it would charge 71 (-20%), without FSDP's copies 47: the check fails."""
+    took 88 ms a step; the planner charges its FSDP copies, clipping and AdamW 80 ms. Without
+    the clipping it would charge 67 (-25%), without FSDP's copies 43: the check fails."""
     measured = sum(profile_self_cuda("bf16 ac=op default")[op] for op in PASS_OPS) / 2
     row = next(r for r in validation.ours() if r["run"].endswith("compile ac=op"))
     times = estimate(row["job"], row["layout"]).times
@@ -128,3 +133,21 @@ def test_the_passes_over_the_parameters_cover_what_trains():
     assert lora["clip"] == pytest.approx(0.01 * full["clip"], rel=1e-9)
     assert lora["optimizer"] == pytest.approx(0.01 * full["optimizer"], rel=1e-9)
     assert times(muon=0.8)["optimizer"] == pytest.approx(0.2 * full["optimizer"], rel=1e-9)
+
+
+def test_a_pipeline_keeps_an_fp32_copy_of_each_gradient_across_its_micro_batches():
+    """torch's pipeline stage turns gradient sync off until the last micro-batch, so FSDP2
+    upcasts each unsharded bf16 gradient to an fp32 copy on the first micro-batch and adds
+    into it on every other (_fsdp_param.py: to_accumulated_grad_if_needed,
+    accumulate_unsharded_grad_if_needed): 2 + 4 + 4 bytes per stage parameter for each
+    micro-batch more. Without a pipeline each micro-batch reduces at once and only the
+    shard's gradient accumulates (4 + 4 + 4 per shard parameter)."""
+    from meshtrain.planning import param_passes as pp
+
+    params, rounds = 1e9, (1, 1)
+    one = pp.fsdp_copy_bytes(params, 8, rounds, microbatches=4, pipeline=True)
+    more = pp.fsdp_copy_bytes(params, 8, rounds, microbatches=5, pipeline=True)
+    assert more - one == pytest.approx(10 * params)
+    flat = lambda n: pp.fsdp_copy_bytes(params, 8, (n, n))
+    gather = pp.fsdp_copy_bytes(params, 8, (1, 0))
+    assert flat(2) - flat(1) == pytest.approx(gather + 6 * params + 12 * params / 8)
