@@ -2,7 +2,7 @@
 
 Our own: bench/gpu_check.py's six bf16 runs on one H100 SXM (Llama 3 8B's block, eager and
 compiled, AC none / op / full; bench/results/2026-11-22_h100_run5.json) are estimated within
-15% (-6% to -1%). Running attention at the matmul's speed and leaving the memory-bound work
+15% (-5% to -0%). Running attention at the matmul's speed and leaving the memory-bound work
 out (near the flat model this replaced) puts them at +54% to +97%, and leaving only the
 eager RMSNorm's fp32 passes out puts two of the three eager runs at +23% and +25%: the
 check fails for either. The passes over the parameters (planning/param_passes.py) are held
