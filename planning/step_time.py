@@ -1,6 +1,6 @@
 """Step time of a layout: compute at kernel speeds (planning/kernels.py), the bytes each
 mesh dimension sends per step and how much of it compute hides, the pipeline bubble from
-torch's own schedule (planning/schedule.py), and the optimizer. docs/planning.md derives
+torch's own schedule (planning/schedule.py), and the passes over the parameters. docs/planning.md derives
 every term; docs/planning.md, Validation, says how far it is from measured steps.
 
 Links are planning/hardware.py's: each collective costs NCCL's latency for its algorithm
@@ -44,7 +44,7 @@ def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
 class StepTime:
     seconds: float
     comm_bytes: dict[str, float]   # per GPU per step, sent, by mesh dimension
-    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, optimizer
+    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, fsdp_copies, clip, optimizer
     fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
     compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
 
