@@ -86,6 +86,8 @@ def test_the_readme_python_example_trains_under_torchrun(tmp_path):
     code = re.search(r"```python\n(.*?)```", readme, flags=re.S).group(1)
     script = tmp_path / "readme_example.py"
     shutil.copy(ROOT / "examples" / "custom_model_2d.py", tmp_path)  # "put it beside custom_model_2d.py"
-    script.write_text(code + "    if torch.distributed.get_rank() == 0:\n"
-                             "        print(f'step {step} loss {loss:.6f}', flush=True)\n")
+    loop, end = code.split("shutdown_distributed()   #")
+    script.write_text(loop + "    if torch.distributed.get_rank() == 0:\n"
+                             "        print(f'step {step} loss {loss:.6f}', flush=True)\n"
+                      + "shutdown_distributed()   #" + end)
     assert_learns(run_torchrun(str(script)))
