@@ -143,7 +143,10 @@ LLAMA3 = "https://arxiv.org/abs/2407.21783 (\"The Llama 3 Herd of Models\", sect
 # (but run 8), local batch x accumulation per data-parallel rank (the report's "Batch Configuration"):
 # 7B 4 x 2, 13B 4 x 4, 70B 2 x 4. Published: total tok/s over the job (its step time x tok/s is the
 # job's tokens per step), divided here by the GPU count. Columns: report, run, GPUs, model, tp,
-# fsdp, compiled, tok/s, MFU %, memory per GPU (GB as printed; allocated or reserved not stated).
+# fsdp, compiled, tok/s, MFU %, memory per GPU as printed: its code (commit 01b461a) prints
+# max_memory_allocated() in GiB and keeps weights, gradients and AdamW moments in bf16
+# (model.to(param_dtype) before fully_shard), 8 bytes a parameter where meshtrain keeps 16:
+# the memory column is not meshtrain's (docs/planning.md, Memory).
 KEMPNERFORGE = [
     ("mfu", 1, 1, "7B", 1, 1, True, 10_471, 57.8, 80.7),
     ("mfu", 2, 2, "7B", 1, 2, True, 18_728, 51.7, 62.4),
