@@ -1,7 +1,7 @@
 """train.py --dry-run: one rank's real step traced on fake tensors at the real world size.
 Checked against closed forms: FSDP model state = 16 bytes per held parameter (fp32 param,
 fp32 grad, Adam m and v); FSDP traffic = one reduce-scatter of fp32 gradients and two
-all-gathers (forward, backward) per micro-batch; TP with sequence parallel = 2 all-gathers
+all-gathers of each block (forward, backward) per micro-batch; TP with sequence parallel = 2 all-gathers
 and 2 reduce-scatters per block forward, as many backward."""
 
 import subprocess
@@ -221,3 +221,28 @@ def test_muon_keeps_one_moment_for_the_hidden_matrices_and_adamws_two_for_the_re
     # no model of Muon's step, which the CPU trace inflates with gloo's all-gather fallback).
     assert report["estimate"]["optimizer"] == pytest.approx(report["memory_between_steps"]["optimizer state"],
                                                             rel=0.02)
+
+
+@pytest.mark.parametrize("config, flavor", [("llama3_8b", "8B"), ("gpt2_175b", "124M")])
+def test_the_memory_tracker_leaves_fsdps_collectives_as_torch_issues_them(config, flavor, monkeypatch):
+    """FSDPMemTracker replaces FSDP's forward hooks with one pair per module; on a unit of
+    several modules (Llama's [norm, output], GPT-2's tied embeddings and head) that ended
+    the unit after its first module and made the traced step gather the head again in
+    backward (planning/fake_world.py grouped_units). The same step traced under torch's
+    plain MemTracker, which leaves FSDP's own hooks alone, issues the same collectives."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from meshtrain.planning import dry_run as dry_run_module
+    from meshtrain.planning.fake_world import peak_only
+
+    cfg = lambda: load_config(config, ["--model.n_layers=2", "--training.seq_len=128", "--training.local_batch_size=1",
+                                       "--training.global_batch_size=16", "--parallelism.sharding_strategy=FULL_SHARD",
+                                       "--parallelism.dp_shard=8", "--parallelism.tp=1", f"--model.flavor={flavor}"])
+    traced = dry_run(cfg(), 8)["comm"]
+
+    def untouched_hooks(parts, optimizers):
+        tracker = peak_only(MemTracker)()
+        tracker.track_external(*parts, *optimizers.optimizers)
+        return tracker
+    monkeypatch.setattr(dry_run_module, "memory_tracker", untouched_hooks)
+    assert traced == dry_run(cfg(), 8)["comm"]
