@@ -36,9 +36,9 @@ Copy-in and chunk_cat run on FSDP's side streams; they are counted as if serial,
 H100 profile shows the one-rank path: its kernels' self times add up to the step's wall
 time. That profile (one GPU) is the only measurement: the counts for units over several
 ranks are torch's code read, not timed. Not counted: float8 all-gather's casts (torchao's
-pre-all-gather; charged here at the bf16 rates), and that the last unit and the embedding
-are gathered once per micro-batch under FULL_SHARD, not twice (planning/step_time.py
-fsdp_rounds counts every unit alike).
+pre-all-gather; charged here at the bf16 rates). Under FULL_SHARD without a pipeline the
+embedding and the head are gathered once a micro-batch, the blocks twice: step_time passes
+the rounds weighted by their bytes (planning/step_time.py effective_gathers).
 """
 
 from __future__ import annotations

@@ -168,6 +168,14 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # Float8 all-gather: f8 of the local parameters gather at one byte, not two; the
     # largest unit saves its share when it is a dense block.
     saved = (BF16 - FLOAT8) * f8
+    # FULL_SHARD without a pipeline gathers a block twice a micro-batch (forward, and again
+    # for its backward), but the embedding and the head once: parallel/fsdp.py keeps the
+    # last unit (the head) gathered into its backward and never gathers the embedding's
+    # table for a backward that needs only the token ids. The rank's gathered bytes per
+    # step, as rounds of all its parameters:
+    once = gathered_once(m, lay, t)
+    whole = BF16 * local - saved
+    dense_ag = (n_ag * (whole - BF16 * once) + n_mb * BF16 * once) / whole if once else n_ag
     unit_saved = (BF16 - FLOAT8) * m.layer_split / t if f8 and unit == m.layer_split / t + m.layer_replicated else 0.0
     ag = (BF16 * local - saved) * (ds - 1) / ds
     rs = FP32 * local * (ds - 1) / ds
@@ -181,16 +189,21 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                              + net.seconds("all-reduce", FP32 * params / ds, *rep_g))
     round_ag = n_units * net.seconds("all-gather", (BF16 * local - saved) / n_units, *dp_g)
     round_rs = n_units * reduce(per_unit)
+    gathers = n_ag * round_ag
+    if once:  # the blocks n_ag times, the embedding's and the head's units once a micro-batch
+        blocks = n_units - 2
+        gathers = (n_ag * blocks * net.seconds("all-gather", (whole - BF16 * once) / blocks, *dp_g)
+                   + n_mb * 2 * gather(once / 2))
     if routed:
-        round_ag += n_moe * gather(routed / n_moe, ex_g)
+        gathers += n_ag * n_moe * gather(routed / n_moe, ex_g)
         round_rs += n_moe * net.seconds("reduce-scatter", FP32 * routed / n_moe, *ex_g)
-    fsdp_time = n_ag * round_ag + n_rs * round_rs
+    fsdp_time = gathers + n_rs * round_rs
     first_gather = net.seconds("all-gather", BF16 * unit - unit_saved, *dp_g)
     # Overlap: FSDP2 prefetches, so its collectives hide behind compute except the first
     # unit's gather and the last unit's reduction of each round. Under a pipeline the one
     # reduce-scatter (+ HSDP all-reduce) runs after the last backward: fully exposed.
     if lay.pp > 1:
-        exposed = max(0.0, n_ag * round_ag - compute) + first_gather + round_rs
+        exposed = max(0.0, gathers - compute) + first_gather + round_rs
     else:
         exposed = max(0.0, fsdp_time - compute) + n_mb * (first_gather + reduce(unit))
     # Passes over the parameters, memory-bound (planning/param_passes.py): FSDP2's copies
@@ -200,7 +213,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # The routed experts, under ep, are units of their own over de ranks, dividing their
     # gradients by a factor of their own (parallel/fsdp.py).
     passes = dict(trainable=job.trainable, microbatches=n_mb, pipeline=lay.pp > 1)
-    copies = (param_passes.fsdp_copy_bytes(local, ds, (n_ag, n_rs), **passes)
+    copies = (param_passes.fsdp_copy_bytes(local, ds, (dense_ag, n_rs), **passes)
               + (param_passes.fsdp_copy_bytes(routed, de, (n_ag, n_rs), divided=True, **passes) if routed else 0.0)
               ) / gpu.hbm_bandwidth
     clip = param_passes.clip_bytes(sharded * job.trainable, job.clip) / gpu.hbm_bandwidth
@@ -217,7 +230,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     step = busy + bubble + exposed + copies + clip + optimizer + muon_time
     return StepTime(
         seconds=step,
-        comm_bytes={"dp_shard": n_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
+        comm_bytes={"dp_shard": dense_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
                     "tp": max(tp_bytes), "pp": max(pp_bytes), **({"cp": max(cp_bytes)} if cp > 1 else {}),
                     **({"ep": max(ep_bytes), "dp_shard_mod_ep": n_ag * ag_e + n_rs * rs_e} if ep > 1 else {}),
                     **{f"muon_{d}": b for d, b in muon_bytes.items()}},
@@ -226,6 +239,15 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                "bubble": bubble, "fsdp": exposed, "fsdp_copies": copies, "clip": clip, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
+
+
+def gathered_once(m: ModelShape, lay: ParallelDims, tp: int) -> float:
+    """Parameters of one GPU that FULL_SHARD without a pipeline gathers once a micro-batch
+    (the embedding and the head) where it gathers a block twice; 0 where every unit is
+    gathered alike (``fsdp_rounds``): pipelines, SHARD_GRAD_OP, NO_SHARD."""
+    if lay.pp > 1 or keeps_gathered(lay):
+        return 0.0
+    return m.embedding / tp + (0 if m.tied else m.head_split / tp) + m.head_replicated
 
 
 def float8_gathered(job: Job, share, tp: int) -> float:

@@ -80,21 +80,24 @@ def _fsdp_job(nodes, **net):
 
 def test_the_estimate_prices_fsdp_with_the_topology():
     # 8B at TP 1, FULL_SHARD over 16 ranks, one micro-batch: per FSDP unit (32 blocks, the
-    # embedding, norm + output: 34) a bf16 gather in forward and in backward and an fp32
-    # reduce-scatter, each a ring over both nodes. Computed here from the unit sizes.
+    # embedding, norm + output: 34) an fp32 reduce-scatter, and bf16 gathers: a block's in
+    # forward and again in backward, the embedding's and the head's once (parallel/fsdp.py);
+    # each collective a ring over both nodes. Computed here from the unit sizes.
     job = _fsdp_job(2)
     lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=16, world_size=16, strategy="FULL_SHARD", ac="full",
                        micro_batch=2)
     m = job.model
     local = m.n_params  # untied 8B: every parameter, TP 1
     unit = local / 34
+    ends = m.embedding + m.head_split + m.head_replicated  # the embedding's and the head's units
+    block = (local - ends) / 32
     bw = 8 * NIC * EFF
     ring = lambda S: 8.4 * US + 14 * 3.4 * US + 9.6 * US + 15 / 16 * S / bw
-    by_hand = 34 * (2 * ring(2 * unit) + ring(4 * unit))
+    by_hand = 32 * 2 * ring(2 * block) + 2 * ring(2 * ends / 2) + 34 * ring(4 * unit)
     assert estimate(job, lay).fsdp_comm_time == pytest.approx(by_hand, rel=1e-9)
     # Half the NICs: the bandwidth part doubles.
     half = estimate(_fsdp_job(2, nics_per_node=4), lay).fsdp_comm_time
-    assert half - by_hand == pytest.approx(34 * 15 / 16 * (2 * 2 * unit + 4 * unit) / bw, rel=1e-9)
+    assert half - by_hand == pytest.approx(15 / 16 * (2 * 2 * (local - ends) + 2 * ends + 4 * local) / bw, rel=1e-9)
 
 
 def test_tp_larger_than_a_node_is_priced_over_the_network_and_warned(capsys):
