@@ -5,7 +5,7 @@ FSDP2's copies around its collectives, gradient clipping and AdamW.
 
 They scale with the parameters a GPU holds, not with its tokens: a few percent of a step
 with a long local batch, a quarter of one with a short one (one H100, 3.2 B parameters, one
-8,192-token sequence: 80 ms of 341; docs/planning.md, Step time).
+8,192-token sequence: 76 ms of 338; docs/planning.md, Step time).
 Byte counts are read from torch's own code (torch/distributed/fsdp/_fully_shard/
 _fsdp_collectives.py, _fsdp_param_group.py, _fsdp_param.py; torch/nn/utils/clip_grad.py;
 torch/optim/adamw.py), reads plus writes, at the GPU's measured copy bandwidth
@@ -38,7 +38,7 @@ time. That profile (one GPU) is the only measurement: the counts for units over 
 ranks are torch's code read, not timed. Not counted: float8 all-gather's casts (torchao's
 pre-all-gather; charged here at the bf16 rates). Under FULL_SHARD without a pipeline the
 embedding and the head are gathered once a micro-batch, the blocks twice: step_time passes
-the rounds weighted by their bytes (planning/step_time.py effective_gathers).
+the rounds weighted by their parameters (planning/step_time.py gathered_once).
 """
 
 from __future__ import annotations

@@ -176,6 +176,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     once = gathered_once(m, lay, t)
     whole = BF16 * local - saved
     dense_ag = (n_ag * (whole - BF16 * once) + n_mb * BF16 * once) / whole if once else n_ag
+    # The copies around each gather go by parameters (float8's at the bf16 rates, param_passes).
+    copy_ag = (n_ag * (local - once) + n_mb * once) / local if once else n_ag
     unit_saved = (BF16 - FLOAT8) * m.layer_split / t if f8 and unit == m.layer_split / t + m.layer_replicated else 0.0
     ag = (BF16 * local - saved) * (ds - 1) / ds
     rs = FP32 * local * (ds - 1) / ds
@@ -191,9 +193,9 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     round_rs = n_units * reduce(per_unit)
     gathers = n_ag * round_ag
     if once:  # the blocks n_ag times, the embedding's and the head's units once a micro-batch
-        blocks = n_units - 2
+        blocks, ends = n_units - 2, 1 if m.tied else 2  # tied: one unit holds both
         gathers = (n_ag * blocks * net.seconds("all-gather", (whole - BF16 * once) / blocks, *dp_g)
-                   + n_mb * 2 * gather(once / 2))
+                   + n_mb * ends * gather(once / ends))
     if routed:
         gathers += n_ag * n_moe * gather(routed / n_moe, ex_g)
         round_rs += n_moe * net.seconds("reduce-scatter", FP32 * routed / n_moe, *ex_g)
@@ -213,7 +215,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # The routed experts, under ep, are units of their own over de ranks, dividing their
     # gradients by a factor of their own (parallel/fsdp.py).
     passes = dict(trainable=job.trainable, microbatches=n_mb, pipeline=lay.pp > 1)
-    copies = (param_passes.fsdp_copy_bytes(local, ds, (dense_ag, n_rs), **passes)
+    copies = (param_passes.fsdp_copy_bytes(local, ds, (copy_ag, n_rs), **passes)
               + (param_passes.fsdp_copy_bytes(routed, de, (n_ag, n_rs), divided=True, **passes) if routed else 0.0)
               ) / gpu.hbm_bandwidth
     clip = param_passes.clip_bytes(sharded * job.trainable, job.clip) / gpu.hbm_bandwidth

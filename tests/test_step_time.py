@@ -81,8 +81,8 @@ def profile_self_cuda(section: str) -> dict[str, float]:
 def test_the_passes_over_the_parameters_take_what_the_h100_profile_measured():
     """torch's profile of two bf16 steps (10 Llama-3-8B blocks, one 8,192-token sequence,
     compiled, op AC, one H100 FSDP rank: the run5 row 'compile ac=op'): the kernels above
-    took 88 ms a step; the planner charges its FSDP copies, clipping and AdamW 80 ms. Without
-    the clipping it would charge 67 (-25%), without FSDP's copies 43: the check fails."""
+    took 88 ms a step; the planner charges its FSDP copies, clipping and AdamW 76 ms (-14%).
+    Without the clipping it would charge 63 (-28%), without FSDP's copies 43: the check fails."""
     measured = sum(profile_self_cuda("bf16 ac=op default")[op] for op in PASS_OPS) / 2
     row = next(r for r in validation.ours() if r["run"].endswith("compile ac=op"))
     times = estimate(row["job"], row["layout"]).times
