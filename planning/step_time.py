@@ -132,7 +132,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         if ep == 1:  # the experts are part of their block's unit, sharded with it
             other, routed = other + routed, 0.0
         fsdp.append((other + routed, other, routed, largest_unit(m, share, t, ep),
-                     share.layers + share.first + share.last, n_moe, rank_sharded_params(m, share, lay),
+                     fsdp_unit_count(m, share), n_moe, rank_sharded_params(m, share, lay),
                      float8_gathered(job, share, t)))
 
     # The slowest pipeline rank sets the pace of every micro-batch.
@@ -193,7 +193,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     round_rs = n_units * reduce(per_unit)
     gathers = n_ag * round_ag
     if once:  # the blocks n_ag times, the embedding's and the head's units once a micro-batch
-        blocks, ends = n_units - 2, 1 if m.tied else 2  # tied: one unit holds both
+        ends = 1 if m.tied else 2  # tied: one unit holds the embedding and the head
+        blocks = n_units - ends
         gathers = (n_ag * blocks * net.seconds("all-gather", (whole - BF16 * once) / blocks, *dp_g)
                    + n_mb * ends * gather(once / ends))
     if routed:
@@ -241,6 +242,12 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                "bubble": bubble, "fsdp": exposed, "fsdp_copies": copies, "clip": clip, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
+
+
+def fsdp_unit_count(m: ModelShape, share) -> int:
+    """FSDP units of one GPU of this pipeline rank (models/common.py fsdp_units): each block,
+    the embedding, the head; tied embedding and head on the same stage are one unit."""
+    return share.layers + share.first + share.last - (m.tied and share.first and share.last)
 
 
 def gathered_once(m: ModelShape, lay: ParallelDims, tp: int) -> float:

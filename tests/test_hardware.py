@@ -100,6 +100,23 @@ def test_the_estimate_prices_fsdp_with_the_topology():
     assert half - by_hand == pytest.approx(15 / 16 * (2 * 2 * (local - ends) + 2 * ends + 4 * local) / bw, rel=1e-9)
 
 
+def test_a_tied_models_embedding_and_head_are_one_fsdp_unit():
+    # GPT-2 (tied) at TP 1, FULL_SHARD over 16 ranks on two nodes, one micro-batch:
+    # models/common.py makes its embeddings and head one unit, so 12 blocks + 1 = 13
+    # collectives a round, the blocks gathered twice, that unit once.
+    job = Job(resolve_model("gpt2:124M"), H100, 2, 8, 1024, 32)
+    lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=16, world_size=16, strategy="FULL_SHARD", ac="none",
+                       micro_batch=2)
+    m = job.model
+    local = m.n_params
+    ends = m.embedding + m.head_replicated  # token and position tables, final norm; the head is the table
+    block = (local - ends) / 12
+    bw = 8 * NIC * EFF
+    ring = lambda S: 8.4 * US + 14 * 3.4 * US + 9.6 * US + 15 / 16 * S / bw
+    by_hand = 12 * 2 * ring(2 * block) + ring(2 * ends) + 13 * ring(4 * local / 13)
+    assert estimate(job, lay).fsdp_comm_time == pytest.approx(by_hand, rel=1e-9)
+
+
 def test_tp_larger_than_a_node_is_priced_over_the_network_and_warned(capsys):
     # Llama 3 70B at TP 8 on nodes of 4 GPUs (its 8 kv heads allow no more than TP 8).
     job = Job(resolve_model("70B"), H100, 8, 4, 8192, 32)

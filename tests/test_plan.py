@@ -18,7 +18,7 @@ from meshtrain.planning.memory import (BF16, FP32, fsdp2_model_states, layer_act
                                        rank_local_params, zero_model_states)
 from meshtrain.planning.shape import Job, ModelShape
 from meshtrain.planning.shares import rank_shares
-from meshtrain.planning.step_time import fsdp_rounds
+from meshtrain.planning.step_time import fsdp_rounds, fsdp_unit_count
 from meshtrain.parallel.fsdp import check_strategy
 from meshtrain.physics.gpus import GIB, get_gpu
 from meshtrain.parallel.pipeline import check_pipeline
@@ -184,6 +184,9 @@ def test_fsdp_bytes_equal_the_collectives_of_the_traced_step(strategy, flavor):
     comm = trace(e, job)["comm"]
     sent = sum(comm[("dp_shard", kind)][2] for kind in ("all-gather", "reduce-scatter"))
     assert e.comm_bytes["dp_shard"] == pytest.approx(sent, rel=1e-9)
+    # One reduce-scatter per FSDP unit and micro-batch (2 of them): the units the latency counts.
+    units = fsdp_unit_count(job.model, rank_shares(job, e.layout)[0])
+    assert comm[("dp_shard", "reduce-scatter")][0] == 2 * units
 
 
 def test_fsdp_rounds_match_the_collectives_counted_under_a_pipeline(job70):
