@@ -171,15 +171,13 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # FULL_SHARD without a pipeline gathers a block twice a micro-batch (forward, and again
     # for its backward), but the embedding and the head once: parallel/fsdp.py keeps the
     # last unit (the head) gathered into its backward and never gathers the embedding's
-    # table for a backward that needs only the token ids. The rank's gathered bytes per
-    # step, as rounds of all its parameters:
+    # table for a backward that needs only the token ids.
     once = gathered_once(m, lay, t)
-    whole = BF16 * local - saved
-    dense_ag = (n_ag * (whole - BF16 * once) + n_mb * BF16 * once) / whole if once else n_ag
+    blocks_bytes = BF16 * (local - once) - saved
+    ag = (n_ag * blocks_bytes + (n_mb if once else n_ag) * BF16 * once) * (ds - 1) / ds  # per step
     # The copies around each gather go by parameters (float8's at the bf16 rates, param_passes).
     copy_ag = (n_ag * (local - once) + n_mb * once) / local if once else n_ag
     unit_saved = (BF16 - FLOAT8) * m.layer_split / t if f8 and unit == m.layer_split / t + m.layer_replicated else 0.0
-    ag = (BF16 * local - saved) * (ds - 1) / ds
     rs = FP32 * local * (ds - 1) / ds
     ar = 2 * FP32 * local / ds * (dr - 1) / dr
     ag_e, rs_e = BF16 * routed * (de - 1) / de, FP32 * routed * (de - 1) / de
@@ -193,9 +191,9 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     round_rs = n_units * reduce(per_unit)
     gathers = n_ag * round_ag
     if once:  # the blocks n_ag times, the embedding's and the head's units once a micro-batch
-        ends = 1 if m.tied else 2  # tied: one unit holds the embedding and the head
-        blocks = n_units - ends
-        gathers = (n_ag * blocks * net.seconds("all-gather", (whole - BF16 * once) / blocks, *dp_g)
+        blocks = m.n_layers  # no pipeline: this rank holds every block
+        ends = n_units - blocks  # the embedding's and the head's units (one when tied)
+        gathers = (n_ag * blocks * net.seconds("all-gather", blocks_bytes / blocks, *dp_g)
                    + n_mb * ends * gather(once / ends))
     if routed:
         gathers += n_ag * n_moe * gather(routed / n_moe, ex_g)
@@ -233,7 +231,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     step = busy + bubble + exposed + copies + clip + optimizer + muon_time
     return StepTime(
         seconds=step,
-        comm_bytes={"dp_shard": dense_ag * ag + n_rs * rs, "dp_replicate": n_rs * ar,
+        comm_bytes={"dp_shard": ag + n_rs * rs, "dp_replicate": n_rs * ar,
                     "tp": max(tp_bytes), "pp": max(pp_bytes), **({"cp": max(cp_bytes)} if cp > 1 else {}),
                     **({"ep": max(ep_bytes), "dp_shard_mod_ep": n_ag * ag_e + n_rs * rs_e} if ep > 1 else {}),
                     **{f"muon_{d}": b for d, b in muon_bytes.items()}},
