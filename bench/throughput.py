@@ -57,7 +57,7 @@ from meshtrain.training.config import DTYPES
 from meshtrain.training.metrics import (TrackedActivations, device_peak_flops, memory_stats, model_flops_per_token,
                               reset_peak_rss)
 from meshtrain.training.optim import build_optimizer
-from meshtrain.training.step import compile_loss, train_step
+from meshtrain.training.step import select_loss, train_step
 
 
 
@@ -105,7 +105,7 @@ def build_meshtrain(args, mesh, device) -> tuple[nn.Module, object, Callable]:
     if args.float8:
         # The head stays in high precision, as train.py does.
         apply_float8(model, skip=("output",), recipe=args.float8_recipe)
-    compile_loss(args.compile_loss)
+    select_loss(compiled=args.compile_loss)
     # With a mixed-precision policy parallelize applies FSDP even on one rank, like the
     # baseline's fully_shard, so both variants run the same sharding machinery.
     model = parallelize(model, mesh, sharding_strategy="FULL_SHARD",

@@ -79,18 +79,22 @@ def test_every_section_round_trips_through_toml(tmp_path):
     ft = dataclasses.replace(base, fault_tolerance=dataclasses.replace(
         cfg.fault_tolerance, lighthouse="http://lighthouse.example:29511"))
     cfg.fault_tolerance = base.fault_tolerance
+    # [training] chunked_loss excludes [compile] loss (changed too): it round-trips alone.
+    chunked = dataclasses.replace(base, training=dataclasses.replace(base.training, chunked_loss=True))
+    cfg.training.chunked_loss = False
     validate(cfg)
+    validate(chunked)
     validate(moe)
     validate(muon)
     validate(ft)
     own = {"moe": moe, "optimizer": muon, "fault_tolerance": ft}
     for name in SECTIONS:  # every field is off its default, unless it has only one choice
         for f in dataclasses.fields(getattr(own.get(name, cfg), name)):
-            if (name, f.name) in (("validation", "split"), ("parallelism", "pp")):
+            if (name, f.name) in (("validation", "split"), ("parallelism", "pp"), ("training", "chunked_loss")):
                 continue
             if "choices" not in f.metadata or len(choices(f.metadata)) > 1:
                 assert getattr(getattr(own.get(name, cfg), name), f.name) != f.default, (name, f.name)
-    for each in (cfg, moe, muon, ft):
+    for each in (cfg, moe, muon, ft, chunked):
         path = write(tmp_path, "all.toml", config_to_toml(each))
         assert load_config(path) == each
         assert tomllib.loads(config_to_toml(each)) == config_to_dict(each)

@@ -24,7 +24,7 @@ from meshtrain.training import recipe
 from meshtrain.training.config import ConfigError
 from meshtrain.training.config_loader import load_config
 from meshtrain.training.metrics import TrackedActivations
-from meshtrain.training.step import compile_loss, cross_entropy, train_step
+from meshtrain.training.step import cross_entropy, select_loss, train_step
 
 
 def tokens(batch=2, seq=64, vocab=256, seed=0):
@@ -156,11 +156,11 @@ def test_compiled_blocks_with_op_checkpointing_and_compiled_loss_match_eager(one
     # parallelize leaves a one-rank dp dimension out; add FSDP by hand, as the bench does.
     apply_fsdp(model, one_rank_mesh, model.fsdp_units())
     model.init_weights(seed=0)
-    compile_loss(True)
+    select_loss(compiled=True)
     try:
         compiled, compiled_grads = train_losses(model)
     finally:
-        compile_loss(False)
+        select_loss()
     print("eager losses", eager.tolist(), "compiled", compiled.tolist())
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
     for name, grad in eager_grads.items():

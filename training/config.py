@@ -129,6 +129,9 @@ class TrainingSection:
     seed: int = opt(0, "seed for weight init and data order", min=-2**63,
                     max=2**64 - 1)  # what torch.manual_seed accepts
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables clipping", min=0)
+    chunked_loss: bool = opt(False, "cross-entropy a chunk of tokens at a time, keeping the logits in their own "
+                             "dtype and no fp32 copy of them: 4 bytes per bf16 logit at the loss's peak "
+                             "instead of 12 (docs/benchmarks.md, The loss's memory); the same loss and gradients to fp32 rounding")
     dataset: str = opt("stdlib", "corpus: stdlib (Python's own sources), text (dataset_path, "
                        "tokenized at start-up), tokens (dataset_path prepared by meshtrain "
                        "prepare-data, memory-mapped; see docs/data.md) or sft (prompt/response or "

@@ -39,7 +39,7 @@ from meshtrain.training.checkpoint import CheckpointError, CheckpointManager
 from meshtrain.training.config import ConfigError, JobConfig
 from meshtrain.training.config_loader import config_to_toml
 from meshtrain.training.optim import Optimizers, Schedulers
-from meshtrain.training.step import compile_loss, pipeline_loss_fn, pipeline_train_step, train_step
+from meshtrain.training.step import pipeline_loss_fn, pipeline_train_step, select_loss, train_step
 
 # Embedding rows are padded to a multiple of this when the vocabulary comes from the
 # tokenizer (258 for bytes), so any TP degree up to 64 divides it.
@@ -453,7 +453,7 @@ def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Opti
     mesh, t = run.mesh, cfg.training
     pp_mesh, dp_mesh, cp_mesh = submesh(mesh, "pp"), submesh(mesh, "dp"), submesh(mesh, "cp")
     loss_parallel = submesh(mesh, "tp") is not None and cfg.parallelism.loss_parallel
-    compile_loss(cfg.compile.loss)  # process-wide: every step's cross-entropy
+    select_loss(chunked=t.chunked_loss, compiled=cfg.compile.loss)  # process-wide: every step's cross-entropy
     if not layout.pipelined:
         model = run.modules[0]
 

@@ -33,11 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.parallel import clip_grad_norm_, loss_parallel_context
 from meshtrain.parallel.context_parallel import SequenceSplit, split_sequence
+from meshtrain.training.chunked_loss import IGNORE_INDEX, chunked_cross_entropy  # IGNORE_INDEX: -100
 from meshtrain.training.faults import step_phase
 from meshtrain.training.hang_report import where
-
-
-IGNORE_INDEX = -100  # a label not trained on (F.cross_entropy's default, and transformers')
 
 
 def _cross_entropy_fp32(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -50,13 +48,23 @@ def _cross_entropy_fp32(logits: torch.Tensor, labels: torch.Tensor, reduction: s
 _loss_impl = _cross_entropy_fp32
 
 
-def compile_loss(enable: bool = True) -> None:
-    """Route the cross-entropy -- so every train step and pipeline loss -- through
-    torch.compile ([compile] loss): eager writes an fp32 copy of the [tokens, vocab]
-    logits before the softmax; compiled, the upcast is fused into the softmax kernel.
-    Process-wide, like torch.compile's own settings."""
+def loss_function(chunked: bool = False, compiled: bool = False):
+    """The cross-entropy (logits, labels, reduction="mean") of a config: F.cross_entropy on
+    the fp32 upcast of the logits (the default); the same through torch.compile ([compile]
+    loss: eager writes an fp32 copy of the [tokens, vocab] logits before the softmax,
+    compiled the upcast is fused into the softmax kernel); or `chunked_cross_entropy`
+    ([training] chunked_loss: no fp32 copy of the whole logits, training/chunked_loss.py)."""
+    if chunked and compiled:
+        raise ValueError("choose chunked or compiled, not both")
+    return (chunked_cross_entropy if chunked else
+            torch.compile(_cross_entropy_fp32) if compiled else _cross_entropy_fp32)
+
+
+def select_loss(chunked: bool = False, compiled: bool = False) -> None:
+    """Route every train step's, pipeline loss's and evaluation's cross-entropy through
+    `loss_function`'s choice. Process-wide, like torch.compile's own settings."""
     global _loss_impl
-    _loss_impl = torch.compile(_cross_entropy_fp32) if enable else _cross_entropy_fp32
+    _loss_impl = loss_function(chunked, compiled)
 
 
 def logits_of(output) -> torch.Tensor:

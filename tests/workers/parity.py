@@ -22,6 +22,7 @@ from meshtrain.models.moe import MoETransformer
 from meshtrain.models.moe.experts import GroupedExperts
 from meshtrain.parallel import ParallelDims, parallelize, shutdown_distributed, submesh
 from meshtrain.training.optim import Optimizers, Schedulers
+from meshtrain.training import chunked_loss, step as training_step
 from meshtrain.training.step import train_step
 
 STEPS, BATCH, SEQ, LR, MAX_NORM = 8, 8, 32, 1e-3, 0.1
@@ -70,6 +71,10 @@ LAYOUTS = {
     # Every block recomputed in backward: the recomputation sends its tokens through the
     # all-to-alls again, and backward must run through exactly what the forward computed.
     "moe_ep2_fsdp4_ac_full": (dict(dp_shard=4, ep=2, ac="full"), "FULL_SHARD", dict(family="moe")),
+    # [training] chunked_loss (its value here: fp32 elements a chunk, so each rank's 128
+    # tokens go in several chunks), and on vocab-sharded logits (loss_parallel: 125 words a rank).
+    "chunked_loss_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(vocab_size=250, chunked_loss=250 * 11)),
+    "chunked_loss_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(chunked_loss=256 * 11)),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -101,6 +106,7 @@ PP_LAYOUTS = {
                                                                     model=dict(family="gpt2"))),
     "muon_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(optimizer="Muon"))),
     "muon_pp2_dp2_tp2": (dict(pp=2, dp_shard=2, tp=2), "1F1B", dict(micro=2, model=dict(optimizer="Muon"))),
+    "chunked_loss_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(chunked_loss=256 * 11))),
 }
 
 
@@ -109,6 +115,7 @@ def build(overrides: dict, meta: bool = True):
     overrides say family="gpt2" or "moe", else Llama (``optimizer`` is not the model's)."""
     overrides = dict(overrides)
     overrides.pop("optimizer", None)
+    overrides.pop("chunked_loss", None)
     family = {"llama": Llama, "gpt2": GPT2, "moe": MoETransformer}[overrides.pop("family", "llama")]
     return family.from_flavor("debug", meta=meta, **overrides)
 
@@ -229,6 +236,21 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     result["final"] = full_weights(model)
     result["experts"] = where_experts_live(model)
     return result
+
+
+@contextlib.contextmanager
+def chosen_loss(overrides: dict):
+    """overrides' chunked_loss=N: train with [training] chunked_loss, N fp32 elements a chunk."""
+    if not overrides.get("chunked_loss"):
+        yield
+        return
+    default, chunked_loss.CHUNK_ELEMENTS = chunked_loss.CHUNK_ELEMENTS, overrides["chunked_loss"]
+    training_step.select_loss(chunked=True)
+    try:
+        yield
+    finally:
+        training_step.select_loss()
+        chunked_loss.CHUNK_ELEMENTS = default
 
 
 @contextlib.contextmanager
@@ -384,7 +406,9 @@ if __name__ == "__main__":
     CHECKPOINTS = out / "checkpoints"
     for name in sys.argv[2:]:  # LAYOUT or LAYOUT+FAULT
         layout, _, fault = name.partition("+")
-        with injected(fault or None, (PP_LAYOUTS if layout in PP_LAYOUTS else LAYOUTS)[layout][0]):
+        overrides = PP_LAYOUTS[layout][2].get("model", {}) if layout in PP_LAYOUTS else LAYOUTS[layout][2]
+        with injected(fault or None, (PP_LAYOUTS if layout in PP_LAYOUTS else LAYOUTS)[layout][0]), \
+                chosen_loss(overrides):
             result = run_pipeline(layout) if layout in PP_LAYOUTS else run(layout)
         if dist.get_rank() == 0:
             torch.save(result, out / f"{name}.pt")
