@@ -42,6 +42,9 @@
 11. kernels (CUDA only, run right after the environment): bench/kernel_speeds.py, matmul
    TFLOP/s per block shape, attention and copy speeds: the planner's per-shape tables
    (also DIR/kernel_speeds.json).
+12. loss (CUDA only, after the kernels): bench/loss_memory.py at Llama 3 8B's head (8,192
+   tokens x 128,256 words): the default, compiled and chunked ([training] chunked_loss)
+   cross-entropy's peak bytes per logit and time side by side.
 
 The sections' code: bench/gpu_sections.py (measured in this process), bench/gpu_runs.py
 (train.py runs as subprocesses), bench/gpu_report.py (gpu_check.md); this file runs them.
@@ -70,8 +73,8 @@ from bench import throughput
 from bench.gpu_report import markdown
 from bench.gpu_runs import (CPU_SEQ, cuda_path_checks, layers_that_fit, masked_training_runs, operations_checks,
                             predict_peaks_gib, subprocess_env)
-from bench.gpu_sections import (ROWS, environment, float8_speedup_rows, kernel_speed_rows, masking_rows, moe_rows,
-                                 muon_step_lines, peer_rows, run_rows)
+from bench.gpu_sections import (ROWS, environment, float8_speedup_rows, kernel_speed_rows, loss_memory_rows,
+                                 masking_rows, moe_rows, muon_step_lines, peer_rows, run_rows)
 from meshtrain.parallel.mesh import shutdown_distributed
 
 
@@ -88,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", default="", help="comma-separated row names or 'eager' / 'compile' "
                    f"(default: all; eager rows on CPU). Rows: {'; '.join(ROWS)}")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: checks, throughput, memory, "
-                   "document_masking, moe, operations, float8, optimizer, peer, kernels")
+                   "document_masking, moe, operations, float8, optimizer, peer, kernels, loss")
     p.add_argument("--budget", type=float, default=530.0, help="seconds for the whole command: rows that "
                    "would not finish in time are skipped")
     args = p.parse_args(argv)
@@ -141,6 +144,9 @@ def main(argv=None) -> dict:
             save(result, args.out)
         if "kernels" not in args.skip:
             result["kernels"] = kernel_speed_rows(args.device, args.out)
+            save(result, args.out)
+        if "loss" not in args.skip:
+            result["loss"] = loss_memory_rows(args.device)
             save(result, args.out)
         capacity = env["memory_gib"]
         predictions = {}

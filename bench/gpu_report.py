@@ -117,6 +117,16 @@ def markdown(result: dict) -> str:
         lines.append("")
     elif peer.get("skipped"):
         lines += [f"Side by side with torchtitan: skipped ({peer['skipped']}).", ""]
+    loss = result.get("loss") or {}
+    if loss.get("rows"):
+        lines += [f"## The cross-entropy (bench/loss_memory.py): {loss['tokens']:,} tokens x {loss['vocab']:,} words, "
+                  "bf16 logits", "", "| loss | bytes/logit at peak | ms fwd+bwd | max abs grad diff from plain |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {name} | {r['bytes_per_logit']:.2f} | {r['ms']:.1f} | {r['grad_max_diff']:.1e} |"
+                  for name, r in loss["rows"].items()]
+        lines.append("")
+    elif loss:
+        lines += [f"Cross-entropy memory: {loss.get('skipped') or loss.get('error')}", ""]
     if result.get("optimizer", {}).get("lines"):
         lines += ["## Optimizer step (bench/muon_step.py)", "", "```", *result["optimizer"]["lines"], "```", ""]
     ops = result.get("operations") or {}

@@ -263,6 +263,18 @@ def kernel_speed_rows(device_type: str, out: Path) -> dict:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
+def loss_memory_rows(device_type: str) -> dict:
+    """bench/loss_memory.py at Llama 3 8B's head (8,192 tokens x 128,256 words): the
+    default, compiled and chunked cross-entropy's peak memory and time side by side."""
+    if device_type != "cuda":
+        return {"skipped": "CUDA only (python -m bench.loss_memory measures CPU)"}
+    from bench import loss_memory
+    try:
+        return loss_memory.measure("cuda", tokens=8192, vocab=128256, repeats=5)
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def float8_speedup_rows(layers: int, deadline: float) -> dict:
     """float8 tensorwise over bf16 with 8 micro-batches a step (bench/float8_speedup.py): the
     optimizer's share of the step as on 8 GPUs, where the 1.25x target applies."""

@@ -53,6 +53,7 @@ class ProbeKey:
     lora: tuple = ()  # [lora]: (rank, alpha, target_modules); a frozen layer saves less for backward
     dims: tuple = ()  # [model]'s dimensions over the flavor's (ModelShape.dims)
     experts: bool = False  # a mixture of experts: probe its MoE blocks (else its dense ones)
+    chunked_loss: bool = False  # [training] chunked_loss: the loss keeps no fp32 copy of the logits
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ class ActivationProfile:
         return sum(self.blocks[j % period] for j in range(n_blocks))
 
 
-def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = ()) -> "ActivationProfile | None":
+def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
+                chunked_loss: bool = False) -> "ActivationProfile | None":
     """The profile of a planner ModelShape's block at ``seq_len`` tokens per rank, or None
     for a family that cannot build a short copy of itself from a flavor (hf)."""
     from meshtrain.models import registry
@@ -84,7 +86,8 @@ def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = ()) -> "Act
     if (c.dim, c.n_heads, c.ffn_hidden) != (model.dim, model.n_heads, model.ffn_hidden):
         return None  # a config that changes the flavor's shape: the probe would trace another block
     return activation_profile(ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac,
-                                       lora=lora, dims=model.dims, experts=model.moe_layers > 0))
+                                       lora=lora, dims=model.dims, experts=model.moe_layers > 0,
+                                       chunked_loss=chunked_loss))
 
 
 def period_of(key: ProbeKey) -> int:
@@ -161,7 +164,7 @@ def _trace(key: ProbeKey) -> ActivationProfile:
     from meshtrain.parallel import loss_parallel_context
     from meshtrain.planning.fake_world import peak_only
     from torch.distributed._tools.mem_tracker import MemTracker
-    from meshtrain.training.step import cross_entropy
+    from meshtrain.training.step import logits_of, loss_function
 
     model, cfg = _probe_model(key)
     blocks = list(model.transformer_blocks().values())
@@ -197,7 +200,7 @@ def _trace(key: ProbeKey) -> ActivationProfile:
         with tracker, loss_parallel_context(parallel_loss):
             start = levels.now()
             levels.mark()
-            loss = cross_entropy(model(tokens), tokens)
+            loss = loss_function(chunked=key.chunked_loss)(logits_of(model(tokens)), tokens)
             end_of_forward = levels.now()
             forward_peak = levels.mark()
             forward[0] = False

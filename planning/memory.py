@@ -21,6 +21,7 @@ from meshtrain.planning.kernels import gated
 from meshtrain.planning.schedule import rank_actions
 from meshtrain.planning.shape import Job, ModelShape, keeps_gathered, rank_batch, shard_degree
 from meshtrain.planning.shares import RankShare, checkpointed_blocks, checkpointed_moe_blocks, rank_shares
+from meshtrain.training.chunked_loss import CHUNK_ELEMENTS
 
 BF16, FP32 = 2, 4
 
@@ -167,7 +168,7 @@ def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
     """Peak bytes per GPU on the worst pipeline rank (the one with the largest total).
     Activations come from a traced probe of two blocks (planning/activations.py) where the
     family can build one; otherwise from the formulas above."""
-    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora)
+    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora, job.chunked_loss)
     worst = None
     for r, share in enumerate(rank_shares(job, lay)):
         if prof is not None:
@@ -287,8 +288,12 @@ def formula_activations(job: Job, lay: ParallelDims, share: RankShare) -> float:
         # (loss_parallel, fp32, on the local vocab shard) keeps its fp32 log-softmax for
         # backward; its peak is in backward: that log-softmax, the incoming gradient and
         # the one produced, 3 x 4 bytes per logit (forward peaks lower, at 2 + 4 + 4).
+        # [training] chunked_loss keeps the bf16 logits instead, and its backward peaks at
+        # them, their bf16 gradient and one chunk's fp32 softmax.
         logits = s * b * m.vocab / t
+        kept_logits, loss_working = (BF16 * logits, 2 * BF16 * logits + FP32 * min(CHUNK_ELEMENTS, logits)) \
+            if job.chunked_loss else (FP32 * logits, 3 * FP32 * logits)
         saved += share.head_inflight * BF16 * s * b * m.dim * (1 + 1 / t)
-        saved += (share.head_inflight - 1) * FP32 * logits   # other micro-batches' (GPipe)
-        working = max(working, 3 * FP32 * logits)
+        saved += (share.head_inflight - 1) * kept_logits   # other micro-batches' (GPipe)
+        working = max(working, loss_working)
     return saved + working

@@ -91,6 +91,9 @@ def parse_args(argv):
     p.add_argument("--moe-imbalance", type=float, default=Job.moe_imbalance, metavar="X",
                    help="a mixture of experts under ep: the busiest ep rank receives X times the mean token "
                         f"copies (default {Job.moe_imbalance}: docs/planning.md, Mixture of experts)")
+    p.add_argument("--chunked-loss", action="store_true",
+                   help="plan for [training] chunked_loss = true: the loss keeps the bf16 logits and no fp32 "
+                        "copy of them (4 bytes per logit at its peak instead of 12)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--write", metavar="PATH.toml", help="write the best layout as a train.py config")
     p.add_argument("--verify", type=int, default=0, metavar="K",
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         raise PlanError(f"--moe-imbalance {args.moe_imbalance}: the busiest rank receives at least the mean; "
                         "use a number >= 1")
     job = Job(resolve_model(args.model, **dims), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
-              topology=net, moe_imbalance=args.moe_imbalance)
+              topology=net, moe_imbalance=args.moe_imbalance, chunked_loss=args.chunked_loss)
     if job.model.max_positions and args.seq_len > job.model.max_positions:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
                         f"learned positions, which train.py refuses; use --seq-len <= {job.model.max_positions}")
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{gpu.hbm_bytes / GIB:.0f} GiB per GPU ({usable_bytes(gpu) / GIB:.1f} usable "
               f"with {HEADROOM:.0%} headroom): {describe(smallest.layout)}.")
         print(format_breakdown(smallest, gpu, "Smallest"))
+        if not job.chunked_loss:
+            print("--chunked-loss plans with a loss that keeps a third of the memory per logit.")
         return 1
     print(f"{len(fitting)} layouts fit in {usable_bytes(gpu) / GIB:.0f} GiB "
           f"({HEADROOM:.0%} headroom); the top {min(args.top, len(fitting))} by tokens/s/GPU:\n")

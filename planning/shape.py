@@ -173,6 +173,7 @@ class Job:
     # no gradient and no optimizer state (its fp32 shards are kept: they are the weights).
     trainable: float = 1.0
     lora: tuple = ()  # (rank, alpha, target_modules) of [lora], for the activation probe
+    chunked_loss: bool = False  # [training] chunked_loss: no fp32 copy of the logits (training/chunked_loss.py)
     topology: Topology | None = None  # the links; None: a DGX / HGX-class node of `gpu` (planning/hardware.py)
     # [optimizer] name = "Muon": the fraction of the trained parameters Muon updates (the
     # hidden matrices), which keep one fp32 moment instead of AdamW's two.

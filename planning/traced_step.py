@@ -23,7 +23,7 @@ from meshtrain.parallel.grad_clip import _whole_group
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning.schedule import Action, rank_actions, replay_prefix
 from meshtrain.training import recipe
-from meshtrain.training.step import cross_entropy
+from meshtrain.training.step import logits_of, loss_function
 
 
 def build_rank(cfg, world_size: int, gpus_per_node: int, cut=None):
@@ -82,6 +82,11 @@ def packed_inputs(cfg, batch: int) -> dict:
     return {"positions": torch.zeros(batch, cfg.training.seq_len, dtype=torch.long)}
 
 
+def step_loss(cfg):
+    """The config's cross-entropy, as train.py's step computes it (never compiled here)."""
+    return loss_function(chunked=cfg.training.chunked_loss)
+
+
 def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, actions=None) -> str:
     """One training step of this rank on fake tensors (see the module docstring). Of the
     step's gradient-accumulation micro-batches one is traced: each is the same work and
@@ -101,7 +106,7 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
         tokens = torch.randint(0, model_cfg.vocab_size, (local, rank_seq(cfg, layout)))
         with loss_parallel_context(loss_parallel):
             comm.phase = "forward"
-            loss = cross_entropy(parts[0][1](tokens, **packed_inputs(cfg, local)), tokens)
+            loss = step_loss(cfg)(logits_of(parts[0][1](tokens, **packed_inputs(cfg, local))), tokens)
             comm.phase = "backward"
             loss.backward()
         traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
@@ -203,7 +208,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
                 out = part(x, **packed_inputs(cfg, mb))  # every stage gets them, as in the schedule
                 comm.stage_io[a.stage] = ((tuple(x.shape), x.dtype), (tuple(out.shape), out.dtype))
                 labels = torch.zeros(mb, rank_seq(cfg, layout), dtype=torch.long)
-                pending[a.stage, a.microbatch] = (cross_entropy(out, labels)
+                pending[a.stage, a.microbatch] = (step_loss(cfg)(logits_of(out), labels)
                                                   if a.stage == n_stages - 1 else out), x
                 continue
             out, x = pending.pop((a.stage, a.microbatch))
