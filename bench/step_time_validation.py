@@ -311,8 +311,8 @@ def held_out() -> list[dict]:
                          measured=tok_s / gpus))
     for size, seq, gpus, mfu, mb, accum, batch, tok_s_gpu, ac, params in MOSAIC:
         assert batch == mb * accum * gpus
-        # llm-foundry's default loss is flash-attn's fused cross-entropy, which keeps the bf16
-        # logits only: meshtrain's [training] chunked_loss is the same memory (2 bytes a logit more).
+        # llm-foundry's default loss is flash-attn's fused cross-entropy (inplace_backward off):
+        # the bf16 logits kept and a bf16 gradient made, as meshtrain's [training] chunked_loss.
         job = Job(mpt_model(size, seq), H100, gpus // 8, 8, seq, batch, compiled=False, chunked_loss=True)
         lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=gpus, world_size=gpus, strategy="FULL_SHARD",
                            ac="full" if ac else "none", micro_batch=mb)

@@ -21,7 +21,7 @@ from meshtrain.planning.kernels import gated
 from meshtrain.planning.schedule import rank_actions
 from meshtrain.planning.shape import Job, ModelShape, keeps_gathered, rank_batch, shard_degree
 from meshtrain.planning.shares import RankShare, checkpointed_blocks, checkpointed_moe_blocks, rank_shares
-from meshtrain.training.chunked_loss import CHUNK_ELEMENTS
+from meshtrain.training import chunked_loss
 
 BF16, FP32 = 2, 4
 
@@ -291,8 +291,11 @@ def formula_activations(job: Job, lay: ParallelDims, share: RankShare) -> float:
         # [training] chunked_loss keeps the bf16 logits instead, and its backward peaks at
         # them, their bf16 gradient and one chunk's fp32 softmax.
         logits = s * b * m.vocab / t
-        kept_logits, loss_working = (BF16 * logits, 2 * BF16 * logits + FP32 * min(CHUNK_ELEMENTS, logits)) \
-            if job.chunked_loss else (FP32 * logits, 3 * FP32 * logits)
+        if job.chunked_loss:
+            kept_logits = BF16 * logits
+            loss_working = 2 * BF16 * logits + FP32 * min(chunked_loss.CHUNK_ELEMENTS, logits)
+        else:
+            kept_logits, loss_working = FP32 * logits, 3 * FP32 * logits
         saved += share.head_inflight * BF16 * s * b * m.dim * (1 + 1 / t)
         saved += (share.head_inflight - 1) * kept_logits   # other micro-batches' (GPipe)
         working = max(working, loss_working)

@@ -37,7 +37,7 @@ def test_loss_and_gradients_equal_f_cross_entropy_on_the_fp32_logits(dtype, redu
     x = logits.clone().requires_grad_()
     want = F.cross_entropy(x.flatten(0, 1).float(), labels.flatten(), reduction=reduction, ignore_index=-100)
     want_grad, = torch.autograd.grad(want, x)
-    for tokens_a_chunk in (1, 7, 10, 1000):  # 111 tokens: uneven chunks, one chunk of ignored labels, one chunk
+    for tokens_a_chunk in (1, 7, 10, 1000):  # 111 tokens: uneven chunks (of ignored labels only, for 1 and 7), one chunk
         y = logits.clone().requires_grad_()
         got = chunked_cross_entropy(y, labels, reduction, chunk_elements=101 * tokens_a_chunk)
         grad, = torch.autograd.grad(got, y)
@@ -84,7 +84,11 @@ def test_chunked_loss_with_compile_loss_is_refused_naming_both_keys(tmp_path):
     path.write_text("[training]\nchunked_loss = true\n[compile]\nloss = true\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert f"{path}: [training] chunked_loss = true with [compile] loss = true" in str(err.value)
+    assert f"{path}: [training] chunked_loss = true with {path}: [compile] loss = true" in str(err.value)
+    chunked = tmp_path / "chunked.toml"
+    chunked.write_text("[training]\nchunked_loss = true\n")
+    with pytest.raises(ConfigError, match=r"with command line: --compile.loss=true: both keep"):
+        load_config(chunked, ["--compile.loss=true"])
     assert load_config(path, ["--compile.loss=false"]).training.chunked_loss
 
 

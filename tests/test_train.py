@@ -93,12 +93,13 @@ def test_debug_3d_trains_like_plain_pytorch(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_and_cpu_offload_change_no_number_and_bf16_stays_close(tmp_path, reference):
-    # Recomputation and offloading move work and memory, not numbers. The three runs share
-    # one torchrun start-up (tests/workers/recipe_runs.py: train.py's recipe and data).
+def test_checkpointing_offload_and_chunked_loss_change_no_number_and_bf16_stays_close(tmp_path, reference):
+    # Recomputation, offloading and the chunked loss move work and memory, not numbers. The
+    # runs share one torchrun start-up (tests/workers/recipe_runs.py: train.py's recipe and data).
     runs = recipe_runs(tmp_path, {
         "ac": _args(tmp_path, "ac", "--activation_checkpoint.mode=full",
                     "--parallelism.sharding_strategy=SHARD_GRAD_OP", "--parallelism.cpu_offload=true"),
+        "chunked_loss": _args(tmp_path, "chunked_loss", "--training.chunked_loss=true"),
         "bf16": _args(tmp_path, "bf16", "--training.mixed_precision_param=bfloat16"),
         # TP alone has no data-parallel dimension: FSDP runs over a one-rank one for the bf16.
         "bf16_tp": _args(tmp_path, "bf16_tp", "--training.mixed_precision_param=bfloat16",
@@ -106,6 +107,9 @@ def test_activation_checkpointing_and_cpu_offload_change_no_number_and_bf16_stay
     }, nproc=4)
     ac = runs["ac"]
     oracle.assert_matches(ac["losses"], ac["grad_norms"], ac["final"], reference, "ac + cpu offload")
+    chunked = runs["chunked_loss"]  # debug_2d: dp 2 x tp 2, the loss on vocab-sharded logits
+    assert chunked["loss_function"] == "chunked_cross_entropy" and ac["loss_function"] == "_cross_entropy_fp32"
+    oracle.assert_matches(chunked["losses"], chunked["grad_norms"], chunked["final"], reference, "chunked_loss")
     fp32 = torch.tensor(reference.fp32.losses)
     for name in ("bf16", "bf16_tp"):
         run = torch.tensor(runs[name]["losses"], dtype=fp32.dtype)

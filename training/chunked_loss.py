@@ -93,7 +93,7 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction:
     DTensor sharded on the vocabulary (loss_parallel) or replicated over a 1-D mesh."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', not {reduction!r}")
-    offset, group = 0, None
+    offset, group, width = 0, None, logits.shape[-1]
     if isinstance(logits, DTensor):
         placements = tuple(logits.placements)
         if logits.device_mesh.ndim != 1 or placements[0] not in (Shard(logits.ndim - 1), Shard(-1), Replicate()):
@@ -101,15 +101,19 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction:
                                       f"1-D mesh, or replicated; these are {placements} over a "
                                       f"{logits.device_mesh.ndim}-D mesh")
         if placements[0] != Replicate():
-            # Shard's split is torch.chunk's: ceil(vocab / ranks) words a rank, the last ones fewer
-            mesh = logits.device_mesh
-            offset = min(mesh.get_local_rank() * -(-logits.shape[-1] // mesh.size()), logits.shape[-1])
-            group = mesh.get_group()
+            # Shard's split is torch.chunk's: ceil(vocab / ranks) words a rank, the last ones
+            # fewer. Every rank cuts its chunks for that widest shard, so their all-reduces match.
+            mesh, vocab = logits.device_mesh, logits.shape[-1]
+            width = -(-vocab // mesh.size())
+            offset, group = min(mesh.get_local_rank() * width, vocab), mesh.get_group()
+            if width * (mesh.size() - 1) >= vocab:
+                raise NotImplementedError(f"chunked_cross_entropy: {vocab} words over {mesh.size()} ranks leave the "
+                                          f"last rank none (torch.chunk's split: {width} a rank)")
         logits = logits.to_local()  # its backward makes the gradient a DTensor with the same placement
     if isinstance(labels, DTensor):
         labels = labels.full_tensor()
     logits, labels = logits.flatten(0, -2), labels.flatten()
-    total = _ChunkedCrossEntropy.apply(logits, labels, offset, group, chunk_tokens(logits.shape[1], chunk_elements))
+    total = _ChunkedCrossEntropy.apply(logits, labels, offset, group, chunk_tokens(width, chunk_elements))
     if reduction == "sum":
         return total
     return total / (labels != IGNORE_INDEX).sum()

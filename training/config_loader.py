@@ -179,8 +179,9 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
     t = cfg.training
     if t.chunked_loss and cfg.compile.loss:
         where = _where("training", "chunked_loss", True, sources.get(("training", "chunked_loss")))
-        raise ConfigError(f"{where} with [compile] loss = true: both keep the fp32 copy of the logits out of "
-                          "memory, in two ways that do not combine; set one of them to false")
+        other = _where("compile", "loss", True, sources.get(("compile", "loss")))
+        raise ConfigError(f"{where} with {other}: both keep the fp32 copy of the logits out of memory, in two "
+                          "ways that do not combine; set one of them to false")
     if t.local_batch_size and t.global_batch_size % t.local_batch_size:
         where = _where("training", "local_batch_size", t.local_batch_size,
                        sources.get(("training", "local_batch_size")))

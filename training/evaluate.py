@@ -44,7 +44,7 @@ from meshtrain.training import recipe
 from meshtrain.training.config import ConfigError, JobConfig
 from meshtrain.training.data import build_dataloader
 from meshtrain.training.faults import step_phase
-from meshtrain.training.step import (TokenMeanLoss, global_token_mean, model_kwargs, summed_cross_entropy,
+from meshtrain.training.step import (TokenMeanLoss, global_token_mean, model_kwargs, select_loss, summed_cross_entropy,
                                       token_loss_scale, unpack)
 
 
@@ -235,6 +235,7 @@ def evaluate_checkpoint(cfg: JobConfig, path: Path) -> tuple[int, dict[str, floa
     mesh = layout.build_mesh(recipe.device_type(cfg), timeout_seconds=cfg.comm.init_timeout_seconds)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     parts = recipe.build_parts(cfg, layout, mesh, model)
+    select_loss(chunked=t.chunked_loss, compiled=cfg.compile.loss)  # the loss training computes
     for part in parts.modules:
         part.init_weights(seed=t.seed, device=device)  # allocates this rank's shards; the checkpoint fills them
     try:

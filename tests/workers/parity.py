@@ -71,8 +71,8 @@ LAYOUTS = {
     # Every block recomputed in backward: the recomputation sends its tokens through the
     # all-to-alls again, and backward must run through exactly what the forward computed.
     "moe_ep2_fsdp4_ac_full": (dict(dp_shard=4, ep=2, ac="full"), "FULL_SHARD", dict(family="moe")),
-    # [training] chunked_loss (its value here: fp32 elements a chunk, so each rank's 128
-    # tokens go in several chunks), and on vocab-sharded logits (loss_parallel: 125 words a rank).
+    # [training] chunked_loss (its value here: fp32 elements a chunk, so each rank's 64 or
+    # 128 tokens go in several chunks), and on vocab-sharded logits (loss_parallel: 125 words a rank).
     "chunked_loss_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(vocab_size=250, chunked_loss=250 * 11)),
     "chunked_loss_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(chunked_loss=256 * 11)),
 }
@@ -410,6 +410,7 @@ if __name__ == "__main__":
         with injected(fault or None, (PP_LAYOUTS if layout in PP_LAYOUTS else LAYOUTS)[layout][0]), \
                 chosen_loss(overrides):
             result = run_pipeline(layout) if layout in PP_LAYOUTS else run(layout)
+            result["loss_function"] = training_step._loss_impl.__name__  # what the steps' losses went through
         if dist.get_rank() == 0:
             torch.save(result, out / f"{name}.pt")
     shutdown_distributed()

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.parallel import mesh_coordinate, shutdown_distributed, submesh
 from meshtrain.parallel.init import canonical_name
-from meshtrain.training import recipe
+from meshtrain.training import recipe, step as training_step
 from meshtrain.training.config_loader import parse_args
 from meshtrain.training.data import build_dataloader, build_tokenizer
 
@@ -88,6 +88,7 @@ def run(argv: list[str]) -> dict:
     result["grads"] = full_weights(parts.modules, submesh(mesh, "pp"), drop, grads=True)  # the last step's
     result["tp_sharded"] = placements_over(parts.modules, "tp")
     result["ep_sharded"] = placements_over(parts.modules, "ep")
+    result["loss_function"] = training_step._loss_impl.__name__  # the cross-entropy build_step chose
     return result
 
 
