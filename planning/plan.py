@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                if dims else "")
     print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
-          f"sequences; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: large matmuls at "
+          f"sequences{', chunked loss' if job.chunked_loss else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: large matmuls at "
           f"{gpu.matmul_efficiency:.0%} of it (others by shape over {gpu.sms} SMs), flash attention at "
           f"{gpu.attention_efficiency:.0%}, memory-bound work at "
           f"{gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "
@@ -165,8 +165,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{gpu.hbm_bytes / GIB:.0f} GiB per GPU ({usable_bytes(gpu) / GIB:.1f} usable "
               f"with {HEADROOM:.0%} headroom): {describe(smallest.layout)}.")
         print(format_breakdown(smallest, gpu, "Smallest"))
-        if not job.chunked_loss:
-            print("--chunked-loss plans with a loss that keeps a third of the memory per logit.")
         return 1
     print(f"{len(fitting)} layouts fit in {usable_bytes(gpu) / GIB:.0f} GiB "
           f"({HEADROOM:.0%} headroom); the top {min(args.top, len(fitting))} by tokens/s/GPU:\n")

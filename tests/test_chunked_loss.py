@@ -57,6 +57,16 @@ def test_no_counted_label_gives_zero_sum_zero_gradient_and_f_s_nan_mean():
     assert math.isnan(mean.item()) and math.isnan(F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item())
 
 
+def test_a_label_outside_the_vocabulary_is_refused_as_f_cross_entropy_refuses_it():
+    logits, labels = logits_and_labels()
+    for bad in (101, -1):
+        labels[1, 3] = bad
+        with pytest.raises(IndexError):
+            F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        with pytest.raises(RuntimeError, match=r"a label is outside the vocabulary \[0, 101\) and not -100"):
+            chunked_cross_entropy(logits, labels)
+
+
 def peak_bytes_per_logit(loss_fn, tokens=2048, vocab=4096, **kwargs) -> float:
     """The peak of a forward and backward of the loss on bf16 logits made inside torch's
     memory tracker, above the logits themselves, per logit."""

@@ -93,7 +93,8 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction:
     DTensor sharded on the vocabulary (loss_parallel) or replicated over a 1-D mesh."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', not {reduction!r}")
-    offset, group, width = 0, None, logits.shape[-1]
+    vocab = logits.shape[-1]  # the whole vocabulary's, also for a sharded DTensor
+    offset, group, width = 0, None, vocab
     if isinstance(logits, DTensor):
         placements = tuple(logits.placements)
         if logits.device_mesh.ndim != 1 or placements[0] not in (Shard(logits.ndim - 1), Shard(-1), Replicate()):
@@ -103,7 +104,7 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction:
         if placements[0] != Replicate():
             # Shard's split is torch.chunk's: ceil(vocab / ranks) words a rank, the last ones
             # fewer. Every rank cuts its chunks for that widest shard, so their all-reduces match.
-            mesh, vocab = logits.device_mesh, logits.shape[-1]
+            mesh = logits.device_mesh
             width = -(-vocab // mesh.size())
             offset, group = min(mesh.get_local_rank() * width, vocab), mesh.get_group()
             if width * (mesh.size() - 1) >= vocab:
@@ -113,6 +114,11 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction:
     if isinstance(labels, DTensor):
         labels = labels.full_tensor()
     logits, labels = logits.flatten(0, -2), labels.flatten()
+    # F.cross_entropy refuses a label outside the vocabulary; the chunks would count it as
+    # a target no shard holds. Asynchronous on a GPU: no wait for the check's result.
+    torch._assert_async(((labels >= 0) & (labels < vocab) | (labels == IGNORE_INDEX)).all(),
+                        f"chunked_cross_entropy: a label is outside the vocabulary [0, {vocab}) and not "
+                        f"{IGNORE_INDEX} (ignored)")
     total = _ChunkedCrossEntropy.apply(logits, labels, offset, group, chunk_tokens(width, chunk_elements))
     if reduction == "sum":
         return total
