@@ -352,6 +352,9 @@ NOT_EXPRESSED = [
     ("NeMo long-sequence table (docs/source/performance/performance_long_sequence.md)", "FP8 only"),
     ("torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md", "float8 linears (torchao), not bf16"),
     ("llm-foundry benchmarking README, H100 FP8 table", "FP8"),
+    ("MLPerf Training results (v3.0 on: GPT-3 175B and later LLM benchmarks, H100)", "NVIDIA's submissions, and "
+     "its partners' on the same code, train in FP8 (Transformer Engine), and a result is a time to a target quality "
+     "from a checkpoint, not a throughput; the layouts are in each submission's code, not the results table"),
     ("llm-foundry benchmarking README, A100 80GB / 40GB tables (122 rows)", "not taken this time: FSDP mixed "
      "precision \"PURE\" (the H100 rows' is \"DEFAULT\"), and physics/gpus.py's A100 matmul and attention "
      "speeds are assumptions, not measurements"),
