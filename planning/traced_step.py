@@ -188,7 +188,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     by_stage = dict(parts)
     actions = actions or pipeline_actions(layout, list(by_stage))
     forwards = {s: sum(a.kind == "F" and a.stage == s for a in actions) for s in by_stage}
-    pending = {}
+    pending, loss_fn = {}, step_loss(cfg)
     for a in actions:
         part, scale = by_stage[a.stage], n_micro * accum / forwards[a.stage]
         # TP collectives (and expert parallelism's all-to-alls) happen per micro-batch,
@@ -208,7 +208,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
                 out = part(x, **packed_inputs(cfg, mb))  # every stage gets them, as in the schedule
                 comm.stage_io[a.stage] = ((tuple(x.shape), x.dtype), (tuple(out.shape), out.dtype))
                 labels = torch.zeros(mb, rank_seq(cfg, layout), dtype=torch.long)
-                pending[a.stage, a.microbatch] = (step_loss(cfg)(logits_of(out), labels)
+                pending[a.stage, a.microbatch] = (loss_fn(logits_of(out), labels)
                                                   if a.stage == n_stages - 1 else out), x
                 continue
             out, x = pending.pop((a.stage, a.microbatch))

@@ -44,8 +44,8 @@ from meshtrain.training import recipe
 from meshtrain.training.config import ConfigError, JobConfig
 from meshtrain.training.data import build_dataloader
 from meshtrain.training.faults import step_phase
-from meshtrain.training.step import (TokenMeanLoss, global_token_mean, model_kwargs, select_loss, summed_cross_entropy,
-                                      token_loss_scale, unpack)
+from meshtrain.training.step import (TokenMeanLoss, global_token_mean, model_kwargs, select_loss,
+                                      summed_cross_entropy, token_loss_scale, unpack)
 
 
 def validation_loader(cfg: JobConfig, *, dp_rank: int, dp_size: int):

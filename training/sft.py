@@ -36,7 +36,7 @@ import numpy as np
 from meshtrain.training import chat_template
 from meshtrain.training.config import ConfigError
 
-IGNORE_INDEX = -100  # training/step.py's: a label not trained on
+IGNORE_INDEX = -100  # training/chunked_loss.py's (torch-free here): a label not trained on
 SUFFIXES = (".jsonl", ".parquet")
 FORMAT_HELP = ('a record is {"prompt": ..., "response": ...} or {"messages": [{"role": ..., "content": ...}, ...]} '
                "with at least one assistant turn")
