@@ -52,7 +52,18 @@ RMS_NORM_EAGER = 40
 # torchao's published end-to-end gains are higher (tensorwise up to 1.25x at 8 GPUs / Llama
 # 3 8B, rowwise 1.12x, torchtitan commit 7a04053): docs/planning.md, Float8.
 FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.52, "rowwise": 1.0}
-LOSS_BYTES = 36        # per logit: fp32 upcast, log-softmax (two reductions), its backward, the bf16 gradient
+# The loss's memory traffic per logit, forward and backward, each op reading its inputs
+# once and writing its outputs once (tests/test_chunked_loss.py counts them on the code).
+# F.cross_entropy on the fp32 upcast: the upcast (2 + 4), log-softmax (4 + 4), nll's
+# backward writing a zero gradient (4), log-softmax's backward (4 + 4 + 4), the gradient
+# cast back to bf16 (4 + 2).
+LOSS_BYTES = 36
+# [training] chunked_loss (training/chunked_loss.py) reads the logits twice and redoes the
+# softmax in backward: the trade for its 4 bytes per logit at the peak instead of 12.
+# Forward: the chunk's upcast (2 + 4), its max (4), subtract and exp in place (8 + 8), the
+# sum (4); backward: the upcast (6), subtract and exp (16), the scale (8), the bf16
+# gradient (4 + 2). Under loss_parallel its two small all-reduces per chunk are not counted.
+LOSS_BYTES_CHUNKED = 66
 
 
 @dataclass
@@ -144,13 +155,14 @@ def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recomput
                    memory=mem * k_mem / gpu.hbm_bandwidth)
 
 
-def head_seconds(m, *, tokens: float, tp: int, gpu) -> Seconds:
+def head_seconds(m, *, tokens: float, tp: int, gpu, chunked_loss: bool = False) -> Seconds:
     """The output layer's matmul (tokens x dim @ dim x vocab / tp, at its shape) and the fp32
-    cross-entropy over this GPU's vocabulary."""
+    cross-entropy over this GPU's vocabulary (``chunked_loss``: training/chunked_loss.py's)."""
     out = (m.head_split if m.head_split else m.embedding) / tp
     fwd, bwd = linear_seconds(round(tokens), m.dim, round(out / m.dim), gpu)
     return Seconds(matmul=fwd + bwd,
-                   memory=LOSS_BYTES * m.vocab / tp * tokens / gpu.hbm_bandwidth)
+                   memory=(LOSS_BYTES_CHUNKED if chunked_loss else LOSS_BYTES) * m.vocab / tp * tokens
+                   / gpu.hbm_bandwidth)
 
 
 def expert_seconds(m, *, copies: float, gpu, recompute: str, compiled: bool = False) -> Seconds:

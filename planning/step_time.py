@@ -92,7 +92,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
             seconds = (seconds + (run(moe_block, "full") + experts("full")) * ckpt_moe
                        + (run(moe_block, kept) + experts(kept)) * (n_moe - ckpt_moe))
         if share.last:
-            seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu)
+            seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu, chunked_loss=job.chunked_loss)
         compute = seconds.total
         parts.append(seconds)
         # TP with SP, per block: 2 all-gathers + 2 reduce-scatters of the activation forward,

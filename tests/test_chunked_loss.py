@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from meshtrain.physics.gpus import GIB, get_gpu
+from meshtrain.planning import kernels
 from meshtrain.planning.activations import ProbeKey, activation_profile
 from meshtrain.planning.estimate import estimate
 from meshtrain.planning.plan import resolve_model
@@ -87,6 +90,56 @@ def test_the_peak_is_the_gradient_and_one_fp32_chunk_where_f_cross_entropy_keeps
     print(f"bytes per logit above the logits: F.cross_entropy {plain:.2f}, chunked {chunked:.2f}")
     assert plain >= 12
     assert chunked == pytest.approx(2 + 4 / 16, abs=0.01)
+
+
+class LogitTraffic(TorchDispatchMode):
+    """Bytes each op moves over tensors of at least ``big`` elements (the logits, their fp32
+    chunks and gradients; per-token vectors are left out), reading each input once and
+    writing each output once: the count planning/kernels.py's LOSS_BYTES* make by hand.
+    Views move nothing; indexing ops (gather, scatter, nll) touch one element a token;
+    copy_ and empty_like read nothing."""
+
+    INDEXING = {"gather", "scatter_add_", "scatter_", "nll_loss_forward", "nll_loss_backward"}
+
+    def __init__(self, big: int):
+        super().__init__()
+        self.big, self.bytes = big, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name, ret = func.overloadpacket.__name__, func._schema.returns
+        if ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
+            return out  # a view
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if name in self.INDEXING:  # a fresh output (nll's zero-filled gradient) is still written whole
+            inputs, outputs = [], [o for o in outputs if not any(o is a for a in inputs)]
+        elif name in ("copy_", "empty_like"):
+            inputs = inputs[1:] if name == "copy_" else []
+            outputs = outputs if name == "copy_" else []
+        self.bytes += sum(t.nbytes for t in inputs + outputs if t.numel() >= self.big)
+        return out
+
+
+def logit_traffic(loss_fn, tokens=512, vocab=4096, **kwargs) -> float:
+    labels = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(tokens, vocab, dtype=torch.bfloat16).requires_grad_()
+    with LogitTraffic(big=tokens * vocab // 8) as traffic:
+        torch.autograd.grad(loss_fn(logits, labels, **kwargs), logits)
+    return traffic.bytes / logits.numel()
+
+
+def test_the_planners_loss_traffic_is_what_the_two_losses_run():
+    """The step time's loss term (planning/kernels.py) counts the bytes each loss's ops move
+    per logit; counted here on the code itself, the default and the chunked one (4 chunks)."""
+    plain = logit_traffic(lambda x, y: F.cross_entropy(x.float(), y))
+    chunked = logit_traffic(chunked_cross_entropy, chunk_elements=4096 * 128)
+    print(f"bytes moved per logit: F.cross_entropy {plain:.2f}, chunked {chunked:.2f}")
+    assert plain == kernels.LOSS_BYTES
+    assert chunked == kernels.LOSS_BYTES_CHUNKED
+    shape, gpu = resolve_model("8B"), get_gpu("h100-80gb")
+    t = {c: kernels.head_seconds(shape, tokens=8192, tp=1, gpu=gpu, chunked_loss=c).memory for c in (False, True)}
+    assert t[True] / t[False] == pytest.approx(kernels.LOSS_BYTES_CHUNKED / kernels.LOSS_BYTES)
 
 
 def test_chunked_loss_with_compile_loss_is_refused_naming_both_keys(tmp_path):
