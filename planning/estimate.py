@@ -35,7 +35,7 @@ class Estimate:
     tokens_per_s_per_gpu: float
     mfu: float
     comm_bytes: dict[str, float]   # per GPU per step, sent, by mesh dimension
-    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, fsdp_copies, clip, optimizer
+    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, contention, fsdp_copies, clip, optimizer
     fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
     compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
     warnings: list[str] = field(default_factory=list)  # what the layout does that a user should know

@@ -40,6 +40,8 @@ parallel/mesh.py), on nodes of ``gpus_per_node``:
   rank sends 1/n of its input to every peer, over NVLink inside its node and, at the same
   time, through the NICs to the peers in other nodes; every remote byte crosses a NIC, and
   all GPUs of a node exchange at once, so each gets 1 / gpus_per_node of the node's NICs.
+- SMs: a running collective holds `collective_sms` of the GPU's SMs (one per NCCL channel),
+  so compute that overlaps it runs on the rest (planning/step_time.py, contention).
 
 Bandwidths are derated by `link_efficiency` (0.8: NCCL's bus bandwidth on large messages
 is typically 75-90% of the line rate; physics/gpus.py). Not modelled: NVLink SHARP / NVLS and
@@ -62,6 +64,12 @@ BASE_LATENCY = 8.4 * US
 TREE_NVLINK_LATENCY = 28 * US
 TREE_NETWORK_LATENCY = 50 * US
 TREE_BANDWIDTH = 0.9          # NCCL: tree bus bandwidth x 0.9
+# A running NCCL collective holds one SM per channel: each channel is a thread block of up
+# to 640 threads (NCCL_MAX_NTHREADS) whose registers fill an SM, so compute overlapping it
+# runs on the other SMs. NCCL picks the channel count from the topology, at most 32
+# (MAXCHANNELS); an 8-GPU Hopper node's log reads "16 coll channels" (NVIDIA/nccl#892, on
+# H800s). We take 16, the low end: 12% of an H100's 132 SMs.
+COLLECTIVE_SMS = 16
 
 
 class TopologyError(ValueError):
@@ -77,6 +85,7 @@ class Topology:
     link_efficiency: float = 0.8   # the fraction of the line rate NCCL reaches on large messages
     nvlink_latency: float = 3.4 * US    # per ring step inside a node (NCCL hwLat, NVLink, ring, Simple)
     network_latency: float = 9.6 * US   # per ring step between nodes (NCCL hwLat, NET, ring, Simple)
+    collective_sms: int = COLLECTIVE_SMS  # SMs a running collective holds: compute beside it has the rest
 
     def __post_init__(self):
         for key in ("gpus_per_node", "nics_per_node"):
@@ -88,6 +97,8 @@ class Topology:
                 raise TopologyError(f"{key} = {getattr(self, key)!r}: must be a positive bandwidth")
         if not 0 < self.link_efficiency <= 1:
             raise TopologyError(f"link_efficiency = {self.link_efficiency!r}: must be in (0, 1]")
+        if not isinstance(self.collective_sms, int) or isinstance(self.collective_sms, bool) or self.collective_sms < 0:
+            raise TopologyError(f"collective_sms = {self.collective_sms!r}: must be a whole number of at least 0")
         for key in ("nvlink_latency", "network_latency"):
             if not getattr(self, key) >= 0:
                 raise TopologyError(f"{key} = {getattr(self, key)!r}: must be a latency of at least 0")
@@ -195,6 +206,7 @@ FILE_KEYS = {
     "link_efficiency": ("link_efficiency", 1, float),
     "nvlink_latency_us": ("nvlink_latency", US, float),
     "network_latency_us": ("network_latency", US, float),
+    "collective_sms": ("collective_sms", 1, int),             # SMs a running collective holds
 }
 
 
@@ -208,9 +220,10 @@ def customized(base: Topology, values: dict, where: str) -> Topology:
         name, unit, kind = FILE_KEYS[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             raise TopologyError(f"{where}: {key} = {value!r} must be a{' whole' if kind is int else ''} number")
-        least = 0 if key.endswith("latency_us") else (1 if kind is int else 0)
-        if value < least or (value == 0 and least == 0 and not key.endswith("latency_us")):
-            what = "at least 0" if key.endswith("latency_us") else ("at least 1" if kind is int else "positive")
+        zero_ok = key.endswith("latency_us") or key == "collective_sms"
+        least = 0 if zero_ok else (1 if kind is int else 0)
+        if value < least or (value == 0 and not zero_ok):
+            what = "at least 0" if zero_ok else ("at least 1" if kind is int else "positive")
             raise TopologyError(f"{where}: {key} = {value!r} is impossible; it must be {what}")
         if key == "link_efficiency" and value > 1:
             raise TopologyError(f"{where}: link_efficiency = {value!r} is impossible; it must be in (0, 1]")

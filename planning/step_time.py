@@ -44,7 +44,7 @@ def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
 class StepTime:
     seconds: float
     comm_bytes: dict[str, float]   # per GPU per step, sent, by mesh dimension
-    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, fsdp_copies, clip, optimizer
+    times: dict[str, float]        # seconds per step: compute, tp, pp, bubble, fsdp, contention, fsdp_copies, clip, optimizer
     fsdp_comm_time: float          # all of FSDP's collectives, hidden or not
     compute_split: dict[str, float] = field(default_factory=dict)  # compute: matmul, attention, memory-bound
 
@@ -204,9 +204,16 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # unit's gather and the last unit's reduction of each round. Under a pipeline the one
     # reduce-scatter (+ HSDP all-reduce) runs after the last backward: fully exposed.
     if lay.pp > 1:
-        exposed = max(0.0, gathers - compute) + first_gather + round_rs
+        edges, beside = first_gather + round_rs, max(0.0, gathers - first_gather)
+        exposed = max(0.0, gathers - compute) + edges
     else:
-        exposed = max(0.0, fsdp_time - compute) + n_mb * (first_gather + reduce(unit))
+        edges = n_mb * (first_gather + reduce(unit))
+        beside = max(0.0, fsdp_time - edges)
+        exposed = max(0.0, fsdp_time - compute) + edges
+    # The traffic that hides does not hide for free: while a collective runs it holds
+    # collective_sms of the GPU's SMs (planning/hardware.py), and the compute beside it runs
+    # on the rest, so each second of it slows compute by that fraction of a second.
+    contention = min(beside, compute) * min(net.collective_sms, gpu.sms) / gpu.sms
     # Passes over the parameters, memory-bound (planning/param_passes.py): FSDP2's copies
     # around its collectives, the gradient norm and clipping, AdamW.
     # Gradients, clipping and AdamW cover the trained parameters only ([lora]: the adapters),
@@ -228,7 +235,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         muon_bytes, a2a_time = muon.all_to_all(job, lay, most)
         muon_time = muon.compute_seconds(job, lay, most) + a2a_time
 
-    step = busy + bubble + exposed + copies + clip + optimizer + muon_time
+    step = busy + bubble + exposed + contention + copies + clip + optimizer + muon_time
     return StepTime(
         seconds=step,
         comm_bytes={"dp_shard": ag + n_rs * rs, "dp_replicate": n_rs * ar,
@@ -237,7 +244,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                     **{f"muon_{d}": b for d, b in muon_bytes.items()}},
         times={"compute": compute, "tp": tp_time, "pp": pp_time, **({"cp": cp_time} if cp > 1 else {}),
                **({"ep": ep_time} if ep > 1 else {}),
-               "bubble": bubble, "fsdp": exposed, "fsdp_copies": copies, "clip": clip, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
+               "bubble": bubble, "fsdp": exposed, "contention": contention, "fsdp_copies": copies, "clip": clip, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
 

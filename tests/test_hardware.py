@@ -139,6 +139,8 @@ def test_tp_larger_than_a_node_is_priced_over_the_network_and_warned(capsys):
     ({"link_efficiency": 1.5}, "link_efficiency = 1.5 is impossible"),
     ({"nics_per_node": 2.5}, "nics_per_node = 2.5 must be a whole number"),
     ({"nic_speed": 400}, "unknown key 'nic_speed'; accepted: nics_per_node, nic_gbps"),
+    ({"collective_sms": -1}, "collective_sms = -1 is impossible; it must be at least 0"),
+    ({"collective_sms": 16.5}, "collective_sms = 16.5 must be a whole number"),
 ])
 def test_impossible_cluster_numbers_are_refused_by_key(change, message):
     with pytest.raises(TopologyError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -159,3 +161,23 @@ def test_a_topology_file_describes_a_cluster_and_the_cli_reports_bad_ones(tmp_pa
     assert f"{bad} [topology]: nics_per_node = 0 is impossible" in capsys.readouterr().err
     assert plan_run([*args, "--nic-gbps", "-1"]) == 2
     assert "--nic-gbps: nic_gbps = -1.0 is impossible" in capsys.readouterr().err
+
+
+def test_fsdp_traffic_hidden_behind_compute_slows_it_by_the_sms_nccl_holds():
+    # 8B at TP 1 over two nodes, FULL_SHARD, two micro-batches: the blocks' gathers and
+    # reductions run beside compute. While one runs, NCCL holds collective_sms of the 132
+    # SMs (16 by default), and compute has the rest.
+    lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=16, world_size=16, strategy="FULL_SHARD", ac="full",
+                       micro_batch=1)
+    e = estimate(_fsdp_job(2), lay)
+    hidden = e.fsdp_comm_time - e.times["fsdp"]  # all but each micro-batch's first gather and last reduction
+    assert 0 < hidden < e.times["compute"]
+    assert e.times["contention"] == pytest.approx(hidden * 16 / 132, rel=1e-9)
+    idle = estimate(_fsdp_job(2, collective_sms=0), lay)
+    assert idle.times["contention"] == 0
+    assert idle.step_time == pytest.approx(e.step_time - e.times["contention"], rel=1e-12)
+    # One GPU: no collective, nothing shared.
+    one = Job(resolve_model("8B"), H100, 1, 1, 8192, 4)
+    alone = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=1, world_size=1, strategy="FULL_SHARD", ac="full",
+                         micro_batch=1)
+    assert estimate(one, alone).times["contention"] == 0

@@ -8,7 +8,7 @@ eager RMSNorm's fp32 passes out puts two of the three eager runs at +23% and +25
 check fails for either. The passes over the parameters (planning/param_passes.py) are held
 to the kernels that ran them in torch's profile of the same step.
 
-Published: Megatron-LM's weak-scaling rows with a pipeline are within 15% but one (-17%); the rows where
+Published: Megatron-LM's weak-scaling rows with a pipeline are within 15% but one (-18%); the rows where
 the estimate misses (docs/planning.md names each cause) are pinned to the side they miss
 on, so a change that moves them is seen.
 """
@@ -42,11 +42,13 @@ def test_megatron_pipeline_rows_within_20_percent_and_the_tp_only_rows_optimisti
         if row["layout"].pp > 1:
             # Pessimistic since the planner counts what an FSDP2 stage pays per micro-batch
             # (an fp32 copy of each gradient, planning/param_passes.py: 70B -13% -> -17%),
-            # which Megatron fuses into its weight-gradient GEMM (gradient_accumulation_fusion).
+            # which Megatron fuses into its weight-gradient GEMM (gradient_accumulation_fusion);
+            # -18% with the SMs its hidden data-parallel traffic holds (planning/hardware.py).
             assert -0.20 < error(row) <= 0.15, (row["run"], f"{error(row):+.0%}")
         else:  # 1.7B to 16B still optimistic with matmuls timed by shape (planning/matmul.py:
-            # 1.7B +46% -> +43% -> +41% with the passes over the parameters): what is left of
-            # the miss is not the roofline's (docs/planning.md); 16B and 32B within 15%.
+            # 1.7B +46% -> +43% -> +41% with the passes over the parameters, +39% with the SMs
+            # collectives hold): what is left of the miss is not the roofline's
+            # (docs/planning.md); 16B and 32B within 15%.
             assert -0.15 < error(row) < 0.5, (row["run"], f"{error(row):+.0%}")
             if row["job"].model.dim < 6144:
                 assert error(row) > 0.15, (row["run"], f"{error(row):+.0%}")
