@@ -1,6 +1,7 @@
 """The planner's step time against measured ones: ours on an H100, torchtitan's, Megatron-LM's.
 
     python bench/step_time_validation.py [--markdown]
+    python bench/step_time_validation.py --write-doc    # docs/planning.md's tables, in place
 
 A second list, `held_out()`, holds published bf16 runs of other frameworks that no constant
 of the planner was set from (docs/planning.md, "Held-out points"); it is printed apart.
@@ -387,31 +388,70 @@ def summary(rows: list[dict]) -> str:
             f"{refused} of these layouts, which ran, do not fit by the planner's memory")
 
 
+CALIBRATION_HEADER = "| source | run | measured tok/s/GPU | estimated | error |"
+HELD_OUT_HEADER = "| source | layout | published | tok/s/GPU | predicted | error | memory GB: published / predicted GiB |"
+SUMMARY_PREFIX = "*As the script prints it:* "
+DOC = ROOT / "docs/planning.md"
+
+
+def calibration_table(rows: list[dict]) -> list[str]:
+    return [CALIBRATION_HEADER, "|---|---|---:|---:|---:|"] + [
+        f"| {r['source']} | {r['run']} | {r['measured']:,.0f} | {r['estimated']:,.0f} | {r['error']:+.0%} |"
+        for r in rows]
+
+
+def held_out_table(rows: list[dict]) -> list[str]:
+    lines = [HELD_OUT_HEADER, "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        mem = r["estimate"].memory.total / 2**30
+        published_mem = f"{r['published_memory_gb']} / {mem:.1f}" if r["published_memory_gb"] else f"— / {mem:.1f}"
+        lines.append(f"| {r['source']} | {r['run']} | {r['published']} | {r['measured']:,.0f} | {r['estimated']:,.0f} "
+                     f"| {r['error']:+.0%} | {published_mem} |")
+    return lines
+
+
+def with_tables(doc: str, tables: list[list[str]], summary_line: str) -> str:
+    """``doc`` with each table (found by its header line) replaced whole, and the line
+    starting with SUMMARY_PREFIX set to ``summary_line``. ValueError when one is missing."""
+    lines = doc.split("\n")
+    for table in tables:
+        if lines.count(table[0]) != 1:
+            raise ValueError(f"the doc has {lines.count(table[0])} tables headed {table[0]!r}, not one")
+        i = lines.index(table[0])
+        j = i
+        while j < len(lines) and lines[j].startswith("|"):
+            j += 1
+        lines[i:j] = table
+    marked = [k for k, line in enumerate(lines) if line.startswith(SUMMARY_PREFIX)]
+    if len(marked) != 1:
+        raise ValueError(f"the doc has {len(marked)} lines starting {SUMMARY_PREFIX!r}, not one")
+    lines[marked[0]] = SUMMARY_PREFIX + summary_line
+    return "\n".join(lines)
+
+
 def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends it quietly
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--write-doc", action="store_true",
+                   help=f"rewrite the two tables and the summary line of {DOC.relative_to(ROOT)} in place")
     args = p.parse_args()
     rows = evaluate(ours() + torchtitan() + megatron())
-    if args.markdown:
-        print("| source | run | measured tok/s/GPU | estimated | error |\n|---|---|---:|---:|---:|")
-    for r in rows:
-        if args.markdown:
-            print(f"| {r['source']} | {r['run']} | {r['measured']:,.0f} | {r['estimated']:,.0f} | {r['error']:+.0%} |")
-        else:
-            print(f"{r['source']:<32} {r['run']:<60} {r['measured']:>9,.0f} {r['estimated']:>9,.0f} {r['error']:+6.0%}")
     held = evaluate(held_out())
+    if args.write_doc:
+        DOC.write_text(with_tables(DOC.read_text(), [calibration_table(rows), held_out_table(held)], summary(held)))
+        print(f"rewrote the tables of {DOC.relative_to(ROOT)}: {summary(held)}")
+        return
+    if args.markdown:
+        print("\n".join(calibration_table(rows)))
+    else:
+        for r in rows:
+            print(f"{r['source']:<32} {r['run']:<60} {r['measured']:>9,.0f} {r['estimated']:>9,.0f} {r['error']:+6.0%}")
     print("\nHeld out (no constant set from these):")
     if args.markdown:
-        print("\n| source | layout | published | tok/s/GPU | predicted | error | memory GB: published / predicted GiB |\n"
-              "|---|---|---|---:|---:|---:|---:|")
-    for r in held:
-        mem = r["estimate"].memory.total / 2**30
-        published_mem = f"{r['published_memory_gb']} / {mem:.1f}" if r["published_memory_gb"] else f"— / {mem:.1f}"
-        if args.markdown:
-            print(f"| {r['source']} | {r['run']} | {r['published']} | {r['measured']:,.0f} | {r['estimated']:,.0f} "
-                  f"| {r['error']:+.0%} | {published_mem} |")
-        else:
+        print("\n" + "\n".join(held_out_table(held)))
+    else:
+        for r in held:
             print(f"{r['source']:<40} {r['run']:<72} {r['measured']:>9,.0f} {r['estimated']:>9,.0f} {r['error']:+6.0%}")
     print(("\n" if args.markdown else "") + summary(held))
     print(("\n" if args.markdown else "") + "Not expressed:")
