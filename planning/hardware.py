@@ -67,8 +67,8 @@ TREE_BANDWIDTH = 0.9          # NCCL: tree bus bandwidth x 0.9
 # A running NCCL collective holds one SM per channel: each channel is a thread block of up
 # to 640 threads (NCCL_MAX_NTHREADS) whose registers fill an SM, so compute overlapping it
 # runs on the other SMs. NCCL picks the channel count from the topology, at most 32
-# (MAXCHANNELS); an 8-GPU Hopper node's log reads "16 coll channels" (NVIDIA/nccl#892, on
-# H800s). We take 16, the low end: 12% of an H100's 132 SMs.
+# (MAXCHANNELS), fewer on PCIe or few-NIC nodes; an 8-GPU Hopper node's log reads
+# "16 coll channels" (NVIDIA/nccl#892, on H800s). We take that 16: 12% of an H100's 132 SMs.
 COLLECTIVE_SMS = 16
 
 
@@ -273,4 +273,7 @@ def from_arguments(args, gpu: GPU, gpus_per_node: int) -> Topology:
         value = getattr(args, flag)
         if value is not None:
             net = customized(net, {key: value}, f"--{flag.replace('_', '-')}")
+    if net.collective_sms >= gpu.sms:
+        raise TopologyError(f"{args.topology} [topology]: collective_sms = {net.collective_sms} is impossible on "
+                            f"{gpu.name}: it has {gpu.sms} SMs, and compute needs some")
     return net

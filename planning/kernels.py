@@ -56,7 +56,8 @@ FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.52, "rowwise": 1.0}
 # once and writing its outputs once (tests/test_chunked_loss.py counts them on the code).
 # F.cross_entropy on the fp32 upcast: the upcast (2 + 4), log-softmax (4 + 4), nll's
 # backward writing a zero gradient (4), log-softmax's backward (4 + 4 + 4), the gradient
-# cast back to bf16 (4 + 2).
+# cast back to bf16 (4 + 2). A lower bound: a row of a large vocabulary (512 KB at 128K
+# words) does not fit on chip, so the softmax kernel may read it more than once.
 LOSS_BYTES = 36
 # [training] chunked_loss (training/chunked_loss.py) reads the logits twice and redoes the
 # softmax in backward: the trade for its 4 bytes per logit at the peak instead of 12.

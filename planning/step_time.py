@@ -119,7 +119,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         ep_in, counts = BF16 * tokens * m.top_k * m.dim, 8 * m.n_experts
         n_ep, n_counts = (4 * n_moe + 2 * ckpt_moe, n_moe + ckpt_moe) if ep > 1 else (0, 0)
         ep_b = (n_ep * ep_in + n_counts * counts) * (ep - 1) / ep
-        per_mb.append((compute, n_coll * net.seconds("all-gather", act, *tp_g),
+        tp_mb = n_coll * net.seconds("all-gather", act, *tp_g) + tp_layout_copies(n_coll, act, b, t, gpu)
+        per_mb.append((compute, tp_mb,
                        sends * net.seconds("send/recv", act / t, *pp_g),
                        4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g),
                        n_ep * net.seconds("all-to-all", ep_in * skew, *ep_g)
@@ -201,19 +202,21 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     fsdp_time = gathers + n_rs * round_rs
     first_gather = net.seconds("all-gather", BF16 * unit - unit_saved, *dp_g)
     # Overlap: FSDP2 prefetches, so its collectives hide behind compute except the first
-    # unit's gather and the last unit's reduction of each round. Under a pipeline the one
-    # reduce-scatter (+ HSDP all-reduce) runs after the last backward: fully exposed.
+    # unit's gather and the last unit's reduction of each round (the edges). Under a
+    # pipeline the one reduce-scatter (+ HSDP all-reduce) runs after the last backward:
+    # fully exposed. What overlaps compute is exposed only where it outlasts it.
     if lay.pp > 1:
-        edges, beside = first_gather + round_rs, max(0.0, gathers - first_gather)
-        exposed = max(0.0, gathers - compute) + edges
+        edges, overlapped = first_gather + round_rs, max(0.0, gathers - first_gather)
     else:
         edges = n_mb * (first_gather + reduce(unit))
-        beside = max(0.0, fsdp_time - edges)
-        exposed = max(0.0, fsdp_time - compute) + edges
-    # The traffic that hides does not hide for free: while a collective runs it holds
-    # collective_sms of the GPU's SMs (planning/hardware.py), and the compute beside it runs
-    # on the rest, so each second of it slows compute by that fraction of a second.
-    contention = min(beside, compute) * min(net.collective_sms, gpu.sms) / gpu.sms
+        overlapped = max(0.0, fsdp_time - edges)
+    exposed = edges + max(0.0, overlapped - compute)
+    # Hiding is not free: while a collective runs it holds collective_sms of the GPU's SMs
+    # (planning/hardware.py) and the compute beside it runs on the rest, slowed by that
+    # fraction for as long as the two overlap. The step grows only where the slowed compute
+    # then outlasts the traffic.
+    slowdown = net.collective_sms / gpu.sms
+    contention = max(0.0, compute + slowdown * min(overlapped, compute) - max(overlapped, compute))
     # Passes over the parameters, memory-bound (planning/param_passes.py): FSDP2's copies
     # around its collectives, the gradient norm and clipping, AdamW.
     # Gradients, clipping and AdamW cover the trained parameters only ([lora]: the adapters),
@@ -247,6 +250,22 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                "bubble": bubble, "fsdp": exposed, "contention": contention, "fsdp_copies": copies, "clip": clip, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
+
+
+def tp_layout_copies(n_coll: int, act: float, micro_batch: int, tp: int, gpu) -> float:
+    """Seconds of the copies around TP's sequence-parallel collectives, on the critical path
+    with them. Activations are [batch, seq, dim] and SP shards the sequence (dim 1), but NCCL
+    gathers and scatters along dim 0, so torch's functional collectives
+    (torch/distributed/_functional_collectives.py) rearrange: a reduce-scatter first copies
+    its whole input into rank order (`_chunk_or_narrow_cat`), and an all-gather copies its
+    whole output back into place unless the micro-batch is one sequence (then a view does).
+    Half of a block's collectives are each kind (a gather's backward is a scatter). Each copy
+    reads and writes the unsharded activation. (Megatron-LM keeps activations
+    sequence-first, [seq, batch, dim], and has neither.)"""
+    if tp == 1:
+        return 0.0
+    copies = n_coll / 2 * (1 + (micro_batch > 1))
+    return copies * 2 * act / gpu.hbm_bandwidth
 
 
 def fsdp_unit_count(m: ModelShape, share) -> int:

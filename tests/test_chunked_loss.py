@@ -96,10 +96,10 @@ class LogitTraffic(TorchDispatchMode):
     """Bytes each op moves over tensors of at least ``big`` elements (the logits, their fp32
     chunks and gradients; per-token vectors are left out), reading each input once and
     writing each output once: the count planning/kernels.py's LOSS_BYTES* make by hand.
-    Views move nothing; indexing ops (gather, scatter, nll) touch one element a token;
-    copy_ and empty_like read nothing."""
+    Views move nothing; indexing ops (gather, scatter_add_, nll) touch one element a token;
+    copy_ does not read its destination; empty_like neither reads nor writes."""
 
-    INDEXING = {"gather", "scatter_add_", "scatter_", "nll_loss_forward", "nll_loss_backward"}
+    INDEXING = {"gather", "scatter_add_", "nll_loss_forward", "nll_loss_backward"}
 
     def __init__(self, big: int):
         super().__init__()

@@ -147,6 +147,8 @@ def test_impossible_cluster_numbers_are_refused_by_key(change, message):
         customized(default_topology(H100, 8), change, "cluster.toml [topology]")
     with pytest.raises(TopologyError, match="nvlink_bandwidth"):
         Topology(gpus_per_node=8, nvlink_bandwidth=-1, nics_per_node=8, nic_bandwidth=1)
+    with pytest.raises(TopologyError, match="collective_sms = -1: must be a whole number of at least 0"):
+        Topology(gpus_per_node=8, nvlink_bandwidth=1, nics_per_node=8, nic_bandwidth=1, collective_sms=-1)
 
 
 def test_a_topology_file_describes_a_cluster_and_the_cli_reports_bad_ones(tmp_path, capsys):
@@ -161,6 +163,11 @@ def test_a_topology_file_describes_a_cluster_and_the_cli_reports_bad_ones(tmp_pa
     assert f"{bad} [topology]: nics_per_node = 0 is impossible" in capsys.readouterr().err
     assert plan_run([*args, "--nic-gbps", "-1"]) == 2
     assert "--nic-gbps: nic_gbps = -1.0 is impossible" in capsys.readouterr().err
+    every_sm = tmp_path / "every_sm.toml"
+    every_sm.write_text("[topology]\ncollective_sms = 132\n")
+    assert plan_run([*args, "--topology", str(every_sm)]) == 2
+    assert f"{every_sm} [topology]: collective_sms = 132 is impossible on H100 SXM 80GB: it has 132 SMs" \
+        in capsys.readouterr().err
 
 
 def test_fsdp_traffic_hidden_behind_compute_slows_it_by_the_sms_nccl_holds():
@@ -176,6 +183,13 @@ def test_fsdp_traffic_hidden_behind_compute_slows_it_by_the_sms_nccl_holds():
     idle = estimate(_fsdp_job(2, collective_sms=0), lay)
     assert idle.times["contention"] == 0
     assert idle.step_time == pytest.approx(e.step_time - e.times["contention"], rel=1e-12)
+    # One NIC per node: the traffic outlasts the compute, which runs beside it even slowed
+    # down; the step is the traffic's, and nothing is added for the SMs.
+    thin = estimate(_fsdp_job(2, nics_per_node=1), lay)
+    assert thin.fsdp_comm_time > 1.2 * thin.times["compute"] and thin.times["contention"] == 0
+    # All the traffic beyond the compute is exposed, each micro-batch's first gather and last
+    # reduction counted once among it.
+    assert thin.times["fsdp"] == pytest.approx(thin.fsdp_comm_time - thin.times["compute"], rel=1e-9)
     # One GPU: no collective, nothing shared.
     one = Job(resolve_model("8B"), H100, 1, 1, 8192, 4)
     alone = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=1, world_size=1, strategy="FULL_SHARD", ac="full",

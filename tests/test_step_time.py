@@ -8,7 +8,7 @@ eager RMSNorm's fp32 passes out puts two of the three eager runs at +23% and +25
 check fails for either. The passes over the parameters (planning/param_passes.py) are held
 to the kernels that ran them in torch's profile of the same step.
 
-Published: Megatron-LM's weak-scaling rows with a pipeline are within 15% but one (-18%); the rows where
+Published: Megatron-LM's weak-scaling rows with a pipeline are within 15% but one (-20%); the rows where
 the estimate misses (docs/planning.md names each cause) are pinned to the side they miss
 on, so a change that moves them is seen.
 """
@@ -35,7 +35,7 @@ def test_within_15_percent_of_our_measured_h100_runs(row):
     assert abs(error(row)) <= 0.15, f"{error(row):+.0%}"
 
 
-def test_megatron_pipeline_rows_within_20_percent_and_the_tp_only_rows_optimistic():
+def test_megatron_pipeline_rows_within_25_percent_and_the_tp_only_rows_optimistic():
     rows = validation.megatron()
     assert len(rows) == 9
     for row in rows:
@@ -43,8 +43,10 @@ def test_megatron_pipeline_rows_within_20_percent_and_the_tp_only_rows_optimisti
             # Pessimistic since the planner counts what an FSDP2 stage pays per micro-batch
             # (an fp32 copy of each gradient, planning/param_passes.py: 70B -13% -> -17%),
             # which Megatron fuses into its weight-gradient GEMM (gradient_accumulation_fusion);
-            # -18% with the SMs its hidden data-parallel traffic holds (planning/hardware.py).
-            assert -0.20 < error(row) <= 0.15, (row["run"], f"{error(row):+.0%}")
+            # -18% with the SMs its hidden data-parallel traffic holds (planning/hardware.py),
+            # -20% with the copies torch makes around sequence-parallel collectives, which
+            # Megatron's sequence-first activations do not need (tp_layout_copies).
+            assert -0.25 < error(row) <= 0.15, (row["run"], f"{error(row):+.0%}")
         else:  # 1.7B to 16B still optimistic with matmuls timed by shape (planning/matmul.py:
             # 1.7B +46% -> +43% -> +41% with the passes over the parameters, +39% with the SMs
             # collectives hold): what is left of the miss is not the roofline's
@@ -94,9 +96,11 @@ def test_the_passes_over_the_parameters_take_what_the_h100_profile_measured():
 
 def test_torchtitan_rows_are_all_optimistic():
     # Their H100s run at 500 W with HBM2e (peak "between SXM and NVL", their footnote): on
-    # our 700 W H100 the same block reaches 45.6% / 50.7% MFU, on theirs 33.7% / 39.0%.
+    # our 700 W H100 the same block reaches 45.6% / 50.7% MFU, on theirs 33.7% / 39.0%: 1.30x
+    # to 1.35x. Their TP 8 rows pay the copies around sequence-parallel collectives as meshtrain
+    # does (70B +37% -> +28% once counted), a few points under that ratio.
     for row in validation.torchtitan():
-        assert 0.3 < error(row) < 0.8, (row["run"], f"{error(row):+.0%}")
+        assert 0.25 < error(row) < 0.8, (row["run"], f"{error(row):+.0%}")
 
 
 def test_a_pipelines_sends_are_on_the_timeline_gpipe_pays_its_fill_and_drain_hops():
@@ -153,3 +157,43 @@ def test_a_pipeline_keeps_an_fp32_copy_of_each_gradient_across_its_micro_batches
     flat = lambda n: pp.fsdp_copy_bytes(params, 8, (n, n))
     gather = pp.fsdp_copy_bytes(params, 8, (1, 0))
     assert flat(2) - flat(1) == pytest.approx(gather + 6 * params + 12 * params / 8)
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_tp_layout_copies_are_the_copies_torch_makes_around_sequence_parallel_collectives(fake_world, micro_batch):
+    # The debug Llama at TP 2 under a fake process group: every `cat` torch's functional
+    # collectives make of an unsharded activation ([batch, seq, dim] elements), counted over
+    # a forward and backward, against what the planner charges for them.
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtrain.models.llama import Llama
+    from meshtrain.parallel.tensor_parallel import apply_tp
+    from meshtrain.physics.gpus import get_gpu
+    from meshtrain.planning.step_time import tp_layout_copies
+
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama.from_flavor("debug")
+    apply_tp(model, init_device_mesh("cpu", (2,)), model.tp_plan())
+    seq, dim = 64, model.cfg.dim
+    tokens = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq))
+
+    class ActivationCats(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.cat.default and out.numel() == micro_batch * seq * dim:
+                self.count += 1
+            return out
+
+    with ActivationCats() as cats:
+        model(tokens).float().logsumexp(-1).full_tensor().sum().backward()
+    layers = model.cfg.n_layers
+    n_coll = 8 * layers + 2 + 2  # as planning/step_time.py counts them: the blocks, the embedding, the head
+    gpu = get_gpu("h100-80gb")
+    act = 2 * micro_batch * seq * dim
+    assert cats.count == tp_layout_copies(n_coll, act, micro_batch, 2, gpu) * gpu.hbm_bandwidth / (2 * act)
+    assert cats.count == {1: 18, 2: 36}[micro_batch]
