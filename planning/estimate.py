@@ -114,6 +114,8 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
                float8_all_gather=cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather,
                lora=(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.enable else (),
                chunked_loss=cfg.training.chunked_loss,
+               # Hugging Face models' TP plans never apply sequence parallelism (models/hf/model.py)
+               sequence_parallel=cfg.parallelism.sequence_parallel and cfg.model.name != "hf",
                topology=dataclasses.replace(topology, gpus_per_node=per_node) if topology else None)
 
 

@@ -274,6 +274,7 @@ def from_arguments(args, gpu: GPU, gpus_per_node: int) -> Topology:
         if value is not None:
             net = customized(net, {key: value}, f"--{flag.replace('_', '-')}")
     if net.collective_sms >= gpu.sms:
-        raise TopologyError(f"{args.topology} [topology]: collective_sms = {net.collective_sms} is impossible on "
+        where = f"{args.topology} [topology]: " if args.topology else ""
+        raise TopologyError(f"{where}collective_sms = {net.collective_sms} is impossible on "
                             f"{gpu.name}: it has {gpu.sms} SMs, and compute needs some")
     return net

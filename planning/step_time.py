@@ -16,6 +16,7 @@ from meshtrain.parallel.context_parallel import kv_repeats
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning import muon, param_passes
+from meshtrain.planning.hardware import TopologyError
 from meshtrain.planning.kernels import block_seconds, expert_seconds, head_seconds
 from meshtrain.planning.memory import (BF16, FP32, expert_shard_degree, largest_unit, rank_params,
                                        rank_sharded_params)
@@ -119,7 +120,9 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         ep_in, counts = BF16 * tokens * m.top_k * m.dim, 8 * m.n_experts
         n_ep, n_counts = (4 * n_moe + 2 * ckpt_moe, n_moe + ckpt_moe) if ep > 1 else (0, 0)
         ep_b = (n_ep * ep_in + n_counts * counts) * (ep - 1) / ep
-        tp_mb = n_coll * net.seconds("all-gather", act, *tp_g) + tp_layout_copies(n_coll, act, b, t, gpu)
+        recomputed = share.layers if lay.ac == "op" else ckpt  # op recomputes element-wise work: the copies too
+        copies = tp_layout_copies(share, recomputed, b) if t > 1 and job.sequence_parallel else 0
+        tp_mb = n_coll * net.seconds("all-gather", act, *tp_g) + copies * 2 * act / gpu.hbm_bandwidth
         per_mb.append((compute, tp_mb,
                        sends * net.seconds("send/recv", act / t, *pp_g),
                        4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g),
@@ -215,8 +218,10 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # (planning/hardware.py) and the compute beside it runs on the rest, slowed by that
     # fraction for as long as the two overlap. The step grows only where the slowed compute
     # then outlasts the traffic.
+    if net.collective_sms >= gpu.sms:
+        raise TopologyError(f"collective_sms = {net.collective_sms}: {gpu.name} has {gpu.sms} SMs, and compute needs some")
     slowdown = net.collective_sms / gpu.sms
-    contention = max(0.0, compute + slowdown * min(overlapped, compute) - max(overlapped, compute))
+    contention = max(0.0, compute + slowdown * overlapped - max(overlapped, compute))
     # Passes over the parameters, memory-bound (planning/param_passes.py): FSDP2's copies
     # around its collectives, the gradient norm and clipping, AdamW.
     # Gradients, clipping and AdamW cover the trained parameters only ([lora]: the adapters),
@@ -252,20 +257,24 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
 
 
-def tp_layout_copies(n_coll: int, act: float, micro_batch: int, tp: int, gpu) -> float:
-    """Seconds of the copies around TP's sequence-parallel collectives, on the critical path
-    with them. Activations are [batch, seq, dim] and SP shards the sequence (dim 1), but NCCL
-    gathers and scatters along dim 0, so torch's functional collectives
-    (torch/distributed/_functional_collectives.py) rearrange: a reduce-scatter first copies
-    its whole input into rank order (`_chunk_or_narrow_cat`), and an all-gather copies its
-    whole output back into place unless the micro-batch is one sequence (then a view does).
-    Half of a block's collectives are each kind (a gather's backward is a scatter). Each copy
-    reads and writes the unsharded activation. (Megatron-LM keeps activations
-    sequence-first, [seq, batch, dim], and has neither.)"""
-    if tp == 1:
-        return 0.0
-    copies = n_coll / 2 * (1 + (micro_batch > 1))
-    return copies * 2 * act / gpu.hbm_bandwidth
+def tp_layout_copies(share, recomputed: int, micro_batch: int) -> int:
+    """Copies of a whole activation around TP's sequence-parallel collectives per micro-batch
+    on this rank, each read and written once, on the critical path with the collectives.
+    Activations are [batch, seq, dim] and SP shards the sequence (dim 1), but NCCL gathers
+    and scatters along dim 0, so torch's functional collectives
+    (torch/distributed/_functional_collectives.py) rearrange: a reduce-scatter copies its
+    whole input into rank order (`_chunk_or_narrow_cat`), an all-gather its whole output back
+    into place unless the micro-batch is one sequence (then a view does). Counted on torch
+    (tests/test_step_time.py): per block 4 of each kind (forward and backward), the
+    embedding and the head one of each; a recomputed block (AC full, and op, whose policy
+    saves the collectives' outputs but not the copies) 1 more reduce-scatter copy and 2 more
+    all-gather ones; a MoE block's feed-forward returns to sequence shards by a local chunk,
+    2 reduce-scatter copies fewer. (Megatron-LM keeps activations sequence-first,
+    [seq, batch, dim], and has none of them.)"""
+    ends = share.first + share.last
+    scatters = 4 * share.layers + ends + recomputed - 2 * share.moe_layers
+    gathers = 4 * share.layers + ends + 2 * recomputed
+    return scatters + (gathers if micro_batch > 1 else 0)
 
 
 def fsdp_unit_count(m: ModelShape, share) -> int:

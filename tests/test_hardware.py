@@ -190,6 +190,9 @@ def test_fsdp_traffic_hidden_behind_compute_slows_it_by_the_sms_nccl_holds():
     # All the traffic beyond the compute is exposed, each micro-batch's first gather and last
     # reduction counted once among it.
     assert thin.times["fsdp"] == pytest.approx(thin.fsdp_comm_time - thin.times["compute"], rel=1e-9)
+    # A topology built in Python with every SM held leaves compute none: refused.
+    with pytest.raises(TopologyError, match="collective_sms = 132: H100 SXM 80GB has 132 SMs"):
+        estimate(_fsdp_job(2, collective_sms=132), lay)
     # One GPU: no collective, nothing shared.
     one = Job(resolve_model("8B"), H100, 1, 1, 8192, 4)
     alone = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=1, world_size=1, strategy="FULL_SHARD", ac="full",
