@@ -273,8 +273,13 @@ def from_arguments(args, gpu: GPU, gpus_per_node: int) -> Topology:
         value = getattr(args, flag)
         if value is not None:
             net = customized(net, {key: value}, f"--{flag.replace('_', '-')}")
+    check_collective_sms(net, gpu, f"{args.topology} [topology]: " if args.topology else "")
+    return net
+
+
+def check_collective_sms(net: Topology, gpu: GPU, where: str = "") -> None:
+    """The SMs collectives hold must leave compute some of ``gpu``'s: TopologyError otherwise,
+    prefixed with ``where`` (the file that set it)."""
     if net.collective_sms >= gpu.sms:
-        where = f"{args.topology} [topology]: " if args.topology else ""
         raise TopologyError(f"{where}collective_sms = {net.collective_sms} is impossible on "
                             f"{gpu.name}: it has {gpu.sms} SMs, and compute needs some")
-    return net

@@ -18,7 +18,7 @@ from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import STRATEGIES
 from meshtrain.physics.flops import flops_per_token
 from meshtrain.physics.gpus import GPU
-from meshtrain.planning.hardware import Topology, default_topology
+from meshtrain.planning.hardware import Topology, check_collective_sms, default_topology
 
 # The pipeline schedules the planner searches and estimates, of all parallel's
 # (parallel/vocabulary.py): 1F1B and its interleaved form, and GPipe. GPipe has 1F1B's
@@ -194,6 +194,10 @@ class Job:
     # that rank's expert compute, its all-to-all time and its expert activations; the
     # bytes reported are the mean over the ranks (what a traced step counts).
     moe_imbalance: float = 1.25
+
+    def __post_init__(self):
+        if self.topology is not None:  # one described in Python; the CLI's was checked naming its file
+            check_collective_sms(self.topology, self.gpu)
 
     @property
     def world(self) -> int:

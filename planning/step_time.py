@@ -16,7 +16,6 @@ from meshtrain.parallel.context_parallel import kv_repeats
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning import muon, param_passes
-from meshtrain.planning.hardware import TopologyError
 from meshtrain.planning.kernels import block_seconds, expert_seconds, head_seconds
 from meshtrain.planning.memory import (BF16, FP32, expert_shard_degree, largest_unit, rank_params,
                                        rank_sharded_params)
@@ -218,8 +217,6 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # (planning/hardware.py) and the compute beside it runs on the rest, slowed by that
     # fraction for as long as the two overlap. The step grows only where the slowed compute
     # then outlasts the traffic.
-    if net.collective_sms >= gpu.sms:
-        raise TopologyError(f"collective_sms = {net.collective_sms}: {gpu.name} has {gpu.sms} SMs, and compute needs some")
     slowdown = net.collective_sms / gpu.sms
     contention = max(0.0, compute + slowdown * overlapped - max(overlapped, compute))
     # Passes over the parameters, memory-bound (planning/param_passes.py): FSDP2's copies

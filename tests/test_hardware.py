@@ -191,8 +191,8 @@ def test_fsdp_traffic_hidden_behind_compute_slows_it_by_the_sms_nccl_holds():
     # reduction counted once among it.
     assert thin.times["fsdp"] == pytest.approx(thin.fsdp_comm_time - thin.times["compute"], rel=1e-9)
     # A topology built in Python with every SM held leaves compute none: refused.
-    with pytest.raises(TopologyError, match="collective_sms = 132: H100 SXM 80GB has 132 SMs"):
-        estimate(_fsdp_job(2, collective_sms=132), lay)
+    with pytest.raises(TopologyError, match="collective_sms = 132 is impossible on H100 SXM 80GB: it has 132 SMs"):
+        _fsdp_job(2, collective_sms=132)
     # One GPU: no collective, nothing shared.
     one = Job(resolve_model("8B"), H100, 1, 1, 8192, 4)
     alone = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=1, world_size=1, strategy="FULL_SHARD", ac="full",
