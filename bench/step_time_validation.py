@@ -178,8 +178,12 @@ KEMPNERFORGE = [
 KEMPNERFORGE_BATCH = {"7B": (4, 2), "13B": (4, 4), "70B": (2, 4)}  # local batch, accumulation steps
 
 # MosaicML llm-foundry (Composer, FSDP1), scripts/train/benchmarking/README.md, "H100 80GB BF16"
-# (both tables): MPT models, amp_bf16, FULL_SHARD over every GPU, eager with flash-attn 2; 8 GPUs
-# per node (the interconnect is stated for their A100 table only). Columns: model, sequence,
+# (both tables, added by commit b2a43a1, 2023-10): MPT models, amp_bf16, FULL_SHARD over every GPU,
+# eager; 8 GPUs per node (the interconnect is stated for their A100 table only). Attention is
+# `attn_impl: triton` (submit_benchmarks.py's default, and the pretrain yamls'): llm-foundry
+# v0.3.0's copy of the 2022 FlashAttention written in Triton, built by triton-pre-mlir (its
+# setup.py), which issues Ampere-generation mma instructions on an H100; not the kernel the
+# planner times (SDPA's flash backend, FlashAttention-2 class). Columns: model, sequence,
 # GPUs, MFU %, micro-batch, accumulation steps, global batch (sequences), tok/s per GPU (as
 # published), activation checkpointing (every block), parameters (as published).
 MOSAIC_URL = ("https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/"
@@ -375,6 +379,24 @@ def evaluate(rows: list[dict]) -> list[dict]:
     return rows
 
 
+ATTENTION_BANDS = ((0.0, 0.10), (0.10, 0.30), (0.30, 1.01))
+
+
+def by_attention_share(rows: list[dict]) -> str:
+    """The held-out errors grouped by the share of the estimated step that is attention:
+    where the planner's attention kernel is not the one a source ran (llm-foundry's Triton
+    FlashAttention), the error grows with that share."""
+    parts = []
+    for lo, hi in ATTENTION_BANDS:
+        band = [r["error"] for r in rows
+                if lo <= r["estimate"].compute_split["attention"] / r["estimate"].step_time < hi]
+        name = f"{lo:.0%}-{hi:.0%}" if hi <= 1 else f"{lo:.0%} and more"
+        if band:
+            parts.append(f"{name}: {len(band)} points, median {statistics.median(band):+.0%}, "
+                         f"{sum(abs(e) <= 0.15 for e in band)} within 15%")
+    return "; ".join(parts)
+
+
 def summary(rows: list[dict]) -> str:
     """The held-out table's figures: median and worst error, how many within 15%, how many
     optimistic, and how many of these layouts (all of which ran) the planner says do not fit."""
@@ -391,6 +413,7 @@ def summary(rows: list[dict]) -> str:
 CALIBRATION_HEADER = "| source | run | measured tok/s/GPU | estimated | error |"
 HELD_OUT_HEADER = "| source | layout | published | tok/s/GPU | predicted | error | memory GB: published / predicted GiB |"
 SUMMARY_PREFIX = "*As the script prints it:* "
+BANDS_PREFIX = "*By attention's share of the estimated step:* "
 DOC = ROOT / "docs/planning.md"
 
 
@@ -410,9 +433,10 @@ def held_out_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def with_tables(doc: str, tables: list[list[str]], summary_line: str) -> str:
-    """``doc`` with each table (found by its header line) replaced whole, and the line
-    starting with SUMMARY_PREFIX set to ``summary_line``. ValueError when one is missing."""
+def with_tables(doc: str, tables: list[list[str]], summary_line: str, bands_line: str) -> str:
+    """``doc`` with each table (found by its header line) replaced whole, and the lines
+    starting with SUMMARY_PREFIX and BANDS_PREFIX set to ``summary_line`` and
+    ``bands_line``. ValueError when one is missing."""
     lines = doc.split("\n")
     for table in tables:
         if lines.count(table[0]) != 1:
@@ -422,10 +446,11 @@ def with_tables(doc: str, tables: list[list[str]], summary_line: str) -> str:
         while j < len(lines) and lines[j].startswith("|"):
             j += 1
         lines[i:j] = table
-    marked = [k for k, line in enumerate(lines) if line.startswith(SUMMARY_PREFIX)]
-    if len(marked) != 1:
-        raise ValueError(f"the doc has {len(marked)} lines starting {SUMMARY_PREFIX!r}, not one")
-    lines[marked[0]] = SUMMARY_PREFIX + summary_line
+    for prefix, text in ((SUMMARY_PREFIX, summary_line), (BANDS_PREFIX, bands_line)):
+        marked = [k for k, line in enumerate(lines) if line.startswith(prefix)]
+        if len(marked) != 1:
+            raise ValueError(f"the doc has {len(marked)} lines starting {prefix!r}, not one")
+        lines[marked[0]] = prefix + text
     return "\n".join(lines)
 
 
@@ -439,7 +464,8 @@ def main() -> None:
     rows = evaluate(ours() + torchtitan() + megatron())
     held = evaluate(held_out())
     if args.write_doc:
-        DOC.write_text(with_tables(DOC.read_text(), [calibration_table(rows), held_out_table(held)], summary(held)))
+        DOC.write_text(with_tables(DOC.read_text(), [calibration_table(rows), held_out_table(held)], summary(held),
+                                   by_attention_share(held)))
         print(f"rewrote the tables of {DOC.relative_to(ROOT)}: {summary(held)}")
         return
     if args.markdown:
@@ -454,6 +480,7 @@ def main() -> None:
         for r in held:
             print(f"{r['source']:<40} {r['run']:<72} {r['measured']:>9,.0f} {r['estimated']:>9,.0f} {r['error']:+6.0%}")
     print(("\n" if args.markdown else "") + summary(held))
+    print(("\n" if args.markdown else "") + "By attention's share of the estimated step: " + by_attention_share(held))
     print(("\n" if args.markdown else "") + "Not expressed:")
     for source, why in NOT_EXPRESSED:
         print(f"- {source}: {why}")

@@ -55,6 +55,15 @@ def network_warnings(job: Job, lay: ParallelDims) -> list[str]:
     return out
 
 
+def tp_plan_warnings(job: Job, lay: ParallelDims) -> list[str]:
+    """[lora] under TP: its wrapped Linears each reduce their own input gradient (parallel/
+    lora.py's plan), collectives planning/step_time.py's `tp_collectives` does not count."""
+    if lay.tp == 1 or not job.lora:
+        return []
+    return [f"tp={lay.tp} with [lora]: each adapted Linear reduces its own input gradient in backward; the "
+            f"estimate counts the base plan's TP collectives only, so its TP time is low"]
+
+
 def estimate(job: Job, lay: ParallelDims) -> Estimate:
     """Memory per GPU and step time of ``lay``, and the throughput and MFU they make."""
     t = step_time(job, lay)
@@ -64,7 +73,7 @@ def estimate(job: Job, lay: ParallelDims) -> Estimate:
     return Estimate(
         layout=lay, memory=memory_per_gpu(job, lay), step_time=t.seconds, tokens_per_s_per_gpu=tps,
         mfu=tps * model_flops / job.gpu.peak_bf16_flops, comm_bytes=t.comm_bytes, times=t.times,
-        fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split, warnings=network_warnings(job, lay),
+        fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split, warnings=network_warnings(job, lay) + tp_plan_warnings(job, lay),
         moe_imbalance=job.moe_imbalance)
 
 

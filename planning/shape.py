@@ -64,6 +64,9 @@ class ModelShape:
     top_k: int = 0
     moe_hidden: int = 0      # one routed expert's SwiGLU width
     shared_hidden: int = 0   # the shared experts' SwiGLU width (0: none)
+    # ((column-split, row-split) Linears of a dense block, of a MoE block) for a TP plan whose
+    # Linears each reduce their own activations (Hugging Face models'); () for the native plans.
+    tp_reductions: tuple = ()
     ep_divisible: dict | None = field(default=None, compare=False)  # what ep must divide; None: no experts
 
     @classmethod
@@ -114,6 +117,11 @@ class ModelShape:
                        top_k=c.top_k, moe_hidden=c.moe_hidden,
                        shared_hidden=getattr(c, "n_shared_experts", 0) * c.moe_hidden,
                        ep_divisible=m.ep_divisible())
+        # A plan whose Linears reduce their own activations (Hugging Face models'): its
+        # (column-split, row-split) counts of a dense and a MoE block (planning/step_time.py).
+        per_block = m.tp_reductions() if hasattr(m, "tp_reductions") else None
+        pick = lambda b: per_block[blocks.index(b)] if b is not None else (0, 0)
+        reductions = (pick(block), pick(moe_block)) if per_block else ()
         return cls(flavor=flavor, n_layers=n_layers, dim=c.dim, n_heads=c.n_heads,
                    kv_dim=n_kv * c.head_dim, ffn_hidden=c.ffn_hidden, vocab=c.vocab_size,
                    layer_split=count(block.parameters(), 2), layer_replicated=count(block.parameters(), 1),
@@ -123,7 +131,7 @@ class ModelShape:
                    tp_divisible=m.tp_divisible(), family=family,
                    max_positions=c.max_seq_len if learned_positions else 0,
                    head_dim=getattr(c, "head_dim", 0) or 0,
-                   dense_layers=(c.n_dense_layers if moe else 0), **moe)
+                   dense_layers=(c.n_dense_layers if moe else 0), tp_reductions=reductions, **moe)
 
     @property
     def layer_params(self) -> int:

@@ -95,11 +95,12 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
             seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu, chunked_loss=job.chunked_loss)
         compute = seconds.total
         parts.append(seconds)
-        # TP with SP, per block: 2 all-gathers + 2 reduce-scatters of the activation forward,
-        # the same in backward, and again forward for recomputed blocks; embedding and output
-        # add one each way. Each moves (t-1)/t of the activation per GPU.
-        n_coll = 8 * share.layers + 4 * ckpt + 2 * share.first + 2 * share.last
-        tp_b = n_coll * act * (t - 1) / t
+        # TP: the gathers, scatters and all-reduces of whole activations torch runs
+        # (tp_collectives); each all-gather or reduce-scatter moves (t-1)/t of the activation
+        # per GPU, an all-reduce twice that.
+        n_gs, n_ar = tp_collectives(share, ckpt, ckpt_moe, sequence_parallel=job.sequence_parallel,
+                                    shared_experts=m.shared_hidden > 0, reductions=m.tp_reductions) if t > 1 else (0, 0)
+        tp_b = (n_gs + 2 * n_ar) * act * (t - 1) / t
         # PP: each stage boundary sends the sequence-sharded activation forward and its
         # gradient back.
         sends = 2 * len(share.stage_layers) - share.first - share.last if lay.pp > 1 else 0
@@ -121,7 +122,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         ep_b = (n_ep * ep_in + n_counts * counts) * (ep - 1) / ep
         recomputed = share.layers if lay.ac == "op" else ckpt  # op recomputes element-wise work: the copies too
         copies = tp_layout_copies(share, recomputed, b) if t > 1 and job.sequence_parallel else 0
-        tp_mb = n_coll * net.seconds("all-gather", act, *tp_g) + copies * 2 * act / gpu.hbm_bandwidth
+        tp_mb = (n_gs * net.seconds("all-gather", act, *tp_g) + n_ar * net.seconds("all-reduce", act, *tp_g)
+                 + copies * 2 * act / gpu.hbm_bandwidth)
         per_mb.append((compute, tp_mb,
                        sends * net.seconds("send/recv", act / t, *pp_g),
                        4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g),
@@ -252,6 +254,41 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                "bubble": bubble, "fsdp": exposed, "contention": contention, "fsdp_copies": copies, "clip": clip, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
+
+
+def tp_collectives(share, recomputed: int, recomputed_moe: int, *, sequence_parallel: bool,
+                   shared_experts: bool, reductions: tuple = ()) -> tuple[int, int]:
+    """(all-gathers + reduce-scatters, all-reduces) of a whole activation that one
+    micro-batch's forward and backward run on this rank, as the models' TP plans make them
+    (counted on torch: tests/test_step_time.py).
+
+    With sequence parallelism (the native plans) a dense block gathers before attention and
+    the FFN and scatters after each, forward, and the reverse in backward: 8. A MoE block's
+    FFN runs whole on every tp rank (the routed experts are not split by tp): it gathers
+    its input and cuts its output back to a sequence shard locally, and its input gradient
+    is whole on every rank, so nothing of it is scattered: 6. Shared experts (w1 and w3 by
+    columns, w2 by rows) add an all-reduce forward and two backward, one per column-split
+    input.
+
+    Without it, a row-split Linear all-reduces its output in forward, and a column-split
+    one its input gradient in backward; the native plans prepare attention's and the FFN's
+    input as one DTensor, so q, k and v (w1 and w3) share one: (2, 2) per dense block.
+    ``reductions``, ((column, row) of a dense block, of a MoE block), is a plan whose every
+    Linear reduces alone (Hugging Face models': (5, 2) for a Llama-like block). The embedding
+    and the output layer: one each way. Not counted: the all-gathers some Hugging Face plans
+    add (a fused qkv's output, q/k norms over the whole width), GPT-2's position embedding.
+
+    A recomputed block (AC full; selective's wrapped ones) runs its forward again, but
+    torch's checkpoint stops once the last tensor backward needs is rebuilt: before a dense
+    block's final scatter or all-reduce, while a MoE block's experts come after every one of
+    its forward collectives. AC op saves every collective's output: nothing again."""
+    moe, dense = share.moe_layers, share.layers - share.moe_layers
+    ends, shared = share.first + share.last, int(shared_experts)
+    if sequence_parallel:
+        return 8 * dense + 6 * moe + 2 * ends + 3 * recomputed, (3 * moe + recomputed_moe) * shared
+    (col, row), (moe_col, moe_row) = reductions or ((2, 2), (1 + 2 * shared, 1 + shared))
+    return 0, (dense * (col + row) + moe * (moe_col + moe_row) + ends
+               + (recomputed - recomputed_moe) * (row - 1) + recomputed_moe * moe_row)
 
 
 def tp_layout_copies(share, recomputed: int, micro_batch: int) -> int:

@@ -161,14 +161,18 @@ def test_a_pipeline_keeps_an_fp32_copy_of_each_gradient_across_its_micro_batches
 
 
 @pytest.mark.parametrize("family", ["llama", "moe"])
-@pytest.mark.parametrize("ac", ["none", "full", "op"])
-@pytest.mark.parametrize("micro_batch", [1, 2])
-def test_tp_layout_copies_are_the_copies_torch_makes_around_sequence_parallel_collectives(
-        fake_world, family, ac, micro_batch):
+@pytest.mark.parametrize("ac", ["none", "full", "selective", "op"])
+@pytest.mark.parametrize("sequence_parallel, micro_batch", [(True, 1), (True, 2), (False, 1)])
+def test_tp_collectives_and_layout_copies_are_those_torch_makes(fake_world, family, ac, sequence_parallel,
+                                                                micro_batch):
     # A debug model at TP 2 under a fake process group, activation-checkpointed as train.py
-    # does: every copy torch makes of an unsharded [batch, seq, dim] activation (a `cat`
-    # with that many elements, in rank order [2 batch, seq / 2, dim] or in place) over a
-    # forward and backward, against the count the planner's step time charges.
+    # does, over a forward and backward: every functional collective the TP plan's styles run
+    # on a whole [batch, seq, dim] activation (gathered to it, scattered or all-reduced from
+    # it; a redistribution DTensor ran inside an op's dispatch would not be seen here, and
+    # CommDebugMode finds none but the logits' gather), and every copy it
+    # makes of one (a `cat` with that many elements, in rank order [2 batch, seq / 2, dim] or
+    # in place), against the counts the planner's step time charges. The MoE debug flavor
+    # has a dense first layer and a shared expert.
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -179,29 +183,34 @@ def test_tp_layout_copies_are_the_copies_torch_makes_around_sequence_parallel_co
     from meshtrain.parallel.tensor_parallel import apply_tp
     from meshtrain.physics.gpus import get_gpu
     from meshtrain.planning.shape import Job, ModelShape
-    from meshtrain.planning.shares import checkpointed_blocks, rank_shares
-    from meshtrain.planning.step_time import tp_layout_copies
+    from meshtrain.planning.shares import checkpointed_blocks, checkpointed_moe_blocks, rank_shares
+    from meshtrain.planning.step_time import tp_collectives, tp_layout_copies
 
     fake_world(2)
     torch.manual_seed(0)
     # A vocabulary whose TP shard is not the model width, so no logits `cat` is counted.
     model = (Llama if family == "llama" else MoETransformer).from_flavor("debug", vocab_size=512)
-    apply_tp(model, init_device_mesh("cpu", (2,)), model.tp_plan())
+    apply_tp(model, init_device_mesh("cpu", (2,)), model.tp_plan(sequence_parallel=sequence_parallel))
     apply_ac(model.transformer_blocks(), ac, every=2)
     seq, dim = 64, model.cfg.dim
+    whole = micro_batch * seq * dim
     shapes = {(micro_batch, seq, dim), (2 * micro_batch, seq // 2, dim)}
+    kinds = {"all_gather_into_tensor": "gs", "reduce_scatter_tensor": "gs", "all_reduce": "ar"}
 
-    class ActivationCats(TorchDispatchMode):
-        count = 0
+    class ActivationTraffic(TorchDispatchMode):
+        cats, gs, ar = 0, 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func is torch.ops.aten.cat.default and tuple(out.shape) in shapes:
-                self.count += 1
+                self.cats += 1
+            kind = kinds.get(func.__name__.split(".")[0]) if func.namespace == "_c10d_functional" else None
+            if kind and whole in (args[0].numel(), out.numel()):
+                setattr(self, kind, getattr(self, kind) + 1)
             return out
 
     tokens = torch.randint(0, 512, (micro_batch, seq))
-    with ActivationCats() as cats:
+    with ActivationTraffic() as seen:
         model(tokens).float().logsumexp(-1).full_tensor().sum().backward()
     shape = ModelShape.from_model(model, flavor="debug", n_layers=model.cfg.n_layers, family=family,
                                   learned_positions=False)
@@ -209,8 +218,65 @@ def test_tp_layout_copies_are_the_copies_torch_makes_around_sequence_parallel_co
     lay = ParallelDims(tp=2, pp=1, dp_replicate=1, dp_shard=1, world_size=2, strategy="FULL_SHARD", ac=ac,
                        micro_batch=micro_batch)
     (share,) = rank_shares(job, lay)
-    recomputed = share.layers if ac == "op" else checkpointed_blocks(share, ac)
-    assert cats.count == tp_layout_copies(share, recomputed, micro_batch)
+    ckpt, ckpt_moe = checkpointed_blocks(share, ac), checkpointed_moe_blocks(share, ac)
+    assert (seen.gs, seen.ar) == tp_collectives(share, ckpt, ckpt_moe, sequence_parallel=sequence_parallel,
+                                                shared_experts=shape.shared_hidden > 0)
+    recomputed = share.layers if ac == "op" else ckpt
+    assert seen.cats == (tp_layout_copies(share, recomputed, micro_batch) if sequence_parallel else 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_hugging_face_tp_all_reduces_are_those_torch_makes(fake_world, arch, ac):
+    # transformers' own plans at TP 2 (no sequence parallelism): each column-split Linear
+    # all-reduces its input gradient alone (q, k, v, gate and up: 7 per Llama-like block, not
+    # the native plans' 4); GPT-NeoX (fused qkv) 4. Counted on a forward and backward,
+    # against the planner's count from the model's own plan.
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtrain.models.hf.model import build_hf
+    from meshtrain.parallel import ParallelDims, apply_ac
+    from meshtrain.parallel.tensor_parallel import apply_tp
+    from meshtrain.physics.gpus import get_gpu
+    from meshtrain.planning.shape import Job, ModelShape
+    from meshtrain.planning.shares import checkpointed_blocks, checkpointed_moe_blocks, rank_shares
+    from meshtrain.planning.step_time import tp_collectives
+    from tests.hf_configs import ARCHS, COMMON
+
+    fake_world(2)
+    model = build_hf("", hf=ARCHS[arch] if arch == "gpt_neox" else {**COMMON, **ARCHS[arch]})
+    shape = ModelShape.from_model(model, flavor=arch, n_layers=len(model.transformer_blocks()), family="hf",
+                                  learned_positions=False)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    apply_tp(model, init_device_mesh("cpu", (2,)), model.tp_plan())
+    apply_ac(model.transformer_blocks(), ac, every=2)
+    seq = 32
+    whole = seq * model.cfg.dim
+
+    class AllReduces(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.namespace == "_c10d_functional" and func.__name__.startswith("all_reduce") \
+                    and args[0].numel() == whole:
+                self.count += 1
+            return out
+
+    with AllReduces() as seen:
+        logits = model(torch.randint(0, model.cfg.vocab_size, (1, seq)))
+        logits.to_local().float().sum().backward()
+    job = Job(shape, get_gpu("h100-80gb"), 1, 2, seq, 1, sequence_parallel=False)
+    lay = ParallelDims(tp=2, pp=1, dp_replicate=1, dp_shard=1, world_size=2, strategy="FULL_SHARD", ac=ac)
+    (share,) = rank_shares(job, lay)
+    assert (0, seen.count) == tp_collectives(share, checkpointed_blocks(share, ac), checkpointed_moe_blocks(share, ac),
+                                             sequence_parallel=False, shared_experts=False,
+                                             reductions=shape.tp_reductions)
 
 
 def test_without_sequence_parallelism_tp_makes_no_layout_copies():
@@ -227,7 +293,28 @@ def test_without_sequence_parallelism_tp_makes_no_layout_copies():
     lay = ParallelDims(tp=2, pp=1, dp_replicate=1, dp_shard=4, world_size=8, strategy="FULL_SHARD", ac="none",
                        micro_batch=2)
     sp, no_sp = estimate(job, lay), estimate(dataclasses.replace(job, sequence_parallel=False), lay)
-    act, n_coll, n_mb = 2 * 2 * 8192 * 4096, 8 * 32 + 4, 2
-    copies = (4 * 32 + 2) * 2 * n_mb  # both kinds at micro-batch 2, no recompute
-    assert sp.times["tp"] - no_sp.times["tp"] == pytest.approx(copies * 2 * act / job.gpu.hbm_bandwidth, rel=1e-9)
-    assert no_sp.times["tp"] == pytest.approx(n_mb * n_coll * job.net.seconds("all-gather", act, 2, 1), rel=1e-9)
+    act, n_mb = 2 * 2 * 8192 * 4096, 2
+    copies = (4 * 32 + 2) * 2  # both kinds at micro-batch 2, no recompute
+    gathers = (8 * 32 + 4) * job.net.seconds("all-gather", act, 2, 1)
+    assert sp.times["tp"] == pytest.approx(n_mb * (gathers + copies * 2 * act / job.gpu.hbm_bandwidth), rel=1e-9)
+    # Without it, all-reduces: two per block forward, two backward, one for each end.
+    assert no_sp.times["tp"] == pytest.approx(n_mb * (4 * 32 + 2) * job.net.seconds("all-reduce", act, 2, 1),
+                                              rel=1e-9)
+
+
+def test_lora_under_tp_is_estimated_with_a_warning_that_its_tp_time_is_low():
+    # [lora]'s wrapped column-split Linears each all-reduce their own input gradient, which
+    # the TP count does not include: the estimate says so wherever tp > 1, and only there.
+    import dataclasses
+
+    from meshtrain.parallel import ParallelDims
+    from meshtrain.physics.gpus import get_gpu
+    from meshtrain.planning.plan import resolve_model
+    from meshtrain.planning.shape import Job
+
+    job = Job(resolve_model("8B"), get_gpu("h100-80gb"), 1, 8, 4096, 16)
+    lora = dataclasses.replace(job, lora=(16, 32, ("wq", "wv")))
+    tp2 = ParallelDims(tp=2, pp=1, dp_replicate=1, dp_shard=4, world_size=8, strategy="FULL_SHARD", ac="full")
+    tp1 = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=8, world_size=8, strategy="FULL_SHARD", ac="full")
+    assert any("tp=2 with [lora]" in w for w in estimate(lora, tp2).warnings)
+    assert not estimate(lora, tp1).warnings and not estimate(job, tp2).warnings

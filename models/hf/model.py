@@ -312,6 +312,29 @@ class HFModel:
             plan[HEAD] = output
         return plan
 
+    def tp_reductions(self) -> list[tuple[int, int]] | None:
+        """Per block, (column-split, row-split) Linears of transformers' TP plan; None where
+        the model has no TP plan. No module of these plans prepares its input as a DTensor,
+        so each column-split Linear all-reduces its own input gradient in backward and each
+        row-split one its output in forward: the planner counts them
+        (planning/step_time.py's `tp_collectives`)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        try:
+            plan = self.tp_plan()
+        except LayoutError:
+            return None
+        prefix = f"{self._mt_base}.{self._mt_layers}."
+        counts = [[0, 0] for _ in self._layers()]
+        for key, style in plan.items():
+            if not key.startswith(prefix) or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                continue
+            which, _, rest = key.removeprefix(prefix).partition(".")
+            for i, block in enumerate(self._layers()):
+                if which in ("*", str(i)) and _holds(block, rest):
+                    counts[i][isinstance(style, RowwiseParallel)] += 1
+        return [tuple(c) for c in counts]
+
     def _blocks_holding(self, key: str) -> list[str]:
         """``key`` ("layers.*.mlp.gate_proj"), or where only some blocks hold that module (a
         mixture of experts' dense blocks), one key per block that does ("layers.0.mlp.gate_proj"):
