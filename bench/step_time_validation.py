@@ -379,18 +379,19 @@ def evaluate(rows: list[dict]) -> list[dict]:
     return rows
 
 
-ATTENTION_BANDS = ((0.0, 0.10), (0.10, 0.30), (0.30, 1.01))
+ATTENTION_BANDS = (0.10, 0.30)  # attention's share of the estimated step: under 10%, 10-30%, 30% and more
 
 
 def by_attention_share(rows: list[dict]) -> str:
     """The held-out errors grouped by the share of the estimated step that is attention:
     where the planner's attention kernel is not the one a source ran (llm-foundry's Triton
     FlashAttention), the error grows with that share."""
+    edges = (0.0, *ATTENTION_BANDS, None)
     parts = []
-    for lo, hi in ATTENTION_BANDS:
-        band = [r["error"] for r in rows
-                if lo <= r["estimate"].compute_split["attention"] / r["estimate"].step_time < hi]
-        name = f"{lo:.0%}-{hi:.0%}" if hi <= 1 else f"{lo:.0%} and more"
+    for lo, hi in zip(edges, edges[1:]):
+        share = lambda r: r["estimate"].compute_split["attention"] / r["estimate"].step_time
+        band = [r["error"] for r in rows if share(r) >= lo and (hi is None or share(r) < hi)]
+        name = f"{lo:.0%}-{hi:.0%}" if hi is not None else f"{lo:.0%} and more"
         if band:
             parts.append(f"{name}: {len(band)} points, median {statistics.median(band):+.0%}, "
                          f"{sum(abs(e) <= 0.15 for e in band)} within 15%")

@@ -98,8 +98,9 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         # TP: the gathers, scatters and all-reduces of whole activations torch runs
         # (tp_collectives); each all-gather or reduce-scatter moves (t-1)/t of the activation
         # per GPU, an all-reduce twice that.
-        n_gs, n_ar = tp_collectives(share, ckpt, ckpt_moe, sequence_parallel=job.sequence_parallel,
-                                    shared_experts=m.shared_hidden > 0, reductions=m.tp_reductions) if t > 1 else (0, 0)
+        n_gs, n_ar = (tp_collectives(share, ckpt, ckpt_moe, sequence_parallel=job.sequence_parallel,
+                                     shared_experts=m.shared_hidden > 0, reductions=m.tp_reductions)
+                      if t > 1 else (0, 0))
         tp_b = (n_gs + 2 * n_ar) * act * (t - 1) / t
         # PP: each stage boundary sends the sequence-sharded activation forward and its
         # gradient back.
