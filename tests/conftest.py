@@ -29,7 +29,7 @@ LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_train.py", "test_
                  "test_examples.py", "test_plan.py")
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest as collected
 
