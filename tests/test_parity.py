@@ -53,11 +53,13 @@ def pp_runs(tmp_path_factory):
 _oracles = {}
 
 
-def oracle_for(overrides: dict, init: dict, accum: int = 1) -> oracle.Oracle:
+def oracle_for(overrides: dict, init: dict, accum: int = 1, unclipped: bool = False) -> oracle.Oracle:
     """The plain-PyTorch reference for this model, from the layout's initial weights
-    (cached: every layout of one model starts from the same weights, checked below)."""
+    (cached: every layout of one model starts from the same weights, checked below);
+    ``unclipped``: with the run without clipping too (only the clipping checks need it)."""
     key = (tuple(sorted(overrides.items())), accum)
-    if key not in _oracles:
+    judge = _oracles.get(key)
+    if judge is None or (unclipped and judge.unclipped is None):
         def make():
             model = parity.build(overrides, meta=False)
             model.load_state_dict(init, strict=False)  # a tied copy's name is absent: it is tied
@@ -70,9 +72,12 @@ def oracle_for(overrides: dict, init: dict, accum: int = 1) -> oracle.Oracle:
         moe = overrides.get("family") == "moe"  # the loop's share of balancing the experts
         balancing = dict(expert_bias_rate=parity.build(overrides).cfg.bias_update_rate) if moe else {}
         muon = hidden_matrix_names(make()) if overrides.get("optimizer") == "Muon" else frozenset()
-        _oracles[key] = oracle.run_oracle(make, steps, with_unclipped=True, **oracle_settings(), **balancing,
-                                          muon=muon)
-    return _oracles[key]
+        settings = dict(**oracle_settings(), **balancing, muon=muon)
+        if judge is None:
+            judge = _oracles[key] = oracle.run_oracle(make, steps, **settings)
+        if unclipped:
+            judge.unclipped = oracle.train(make(), steps, **{**settings, "max_norm": 0.0})
+    return judge
 
 
 def hidden_matrix_names(model) -> set[str]:
@@ -137,7 +142,7 @@ def test_clipping_binds_in_the_reference():
     """Without clipping the reference lands far outside the tolerance: a layout that
     skipped clipping could not pass (an earlier version's clipping was a no-op)."""
     for overrides in ({}, dict(tie_embeddings=True), dict(family="gpt2")):
-        judge = oracle_for(overrides, single_process_init(overrides))
+        judge = oracle_for(overrides, single_process_init(overrides), unclipped=True)
         assert max(judge.fp32.grad_norms) > parity.MAX_NORM
         oracle.assert_clipping_binds(judge, str(overrides))
         assert judge.fp32.losses[-1] < 0.99 * judge.fp32.losses[0]  # and it learns
@@ -148,7 +153,7 @@ def test_clipping_binds_in_the_moe_reference():
     on the plain model), and without clipping its weights land far outside the tolerance: the
     expert-parallel layouts' norms, summed over weights on two meshes, are checked by it."""
     overrides = dict(family="moe")
-    judge = oracle_for(overrides, single_process_init(overrides))
+    judge = oracle_for(overrides, single_process_init(overrides), unclipped=True)
     assert min(judge.fp32.grad_norms) > parity.MAX_NORM
     dev = oracle.deviations(judge.unclipped.losses, judge.unclipped.grad_norms, judge.unclipped.final, judge)
     assert dev["final"] > 100 * oracle.K, dev
