@@ -14,8 +14,8 @@ def markdown(result: dict) -> str:
     c = result.get("checks")
     if c:
         lines += ["## train.py on one device", "",
-                  f"- learns: **{c['learns']}** (loss {c['losses_fp32'][0]:.4f} -> {c['losses_fp32'][-1]:.4f} in 20 steps)",
-                  f"- resume from the step-10 checkpoint is bitwise: **{c['resume_bitwise']}**",
+                  f"- learns: **{c['learns']}** (loss {c['losses_fp32'][0]:.4f} -> {c['losses_fp32'][-1]:.4f} in {c.get('steps', 20)} steps)",
+                  f"- resume from the step-{c.get('resumed_at', 10)} checkpoint is bitwise: **{c['resume_bitwise']}**",
                   f"- bf16 within 1e-2 of fp32: **{c['bf16_close']}** (largest relative loss difference "
                   f"{c['bf16_max_rel_diff']:.2e})", ""]
     s = result.get("shape")
