@@ -173,12 +173,15 @@ def test_a_pipeline_evaluated_between_steps_trains_bitwise_alike(layouts, twin):
 
 # ----------------------------------------------------------------------------- train.py
 
+# FSDP over 2 ranks: each evaluates its share of the held-out batches, averaged over dp (TP
+# inside the evaluation, loss_parallel, is the layouts fixture's dp2_tp2_loss_parallel).
 TRAIN = ["--config", "debug_2d", "--training.steps=6", "--training.seq_len=64", *VAL,
+         "--parallelism.dp_shard=2", "--parallelism.tp=1",
          "--validation.interval=2", "--checkpoint.enable=true", "--checkpoint.interval=2"]
 
 
 def _train(tmp_path, name, *flags):
-    proc = torchrun("train.py", *TRAIN, f"--job.output_dir={tmp_path}", f"--job.name={name}", *flags, nproc=4)
+    proc = torchrun("train.py", *TRAIN, f"--job.output_dir={tmp_path}", f"--job.name={name}", *flags, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
 
@@ -236,13 +239,13 @@ def test_validation_changes_no_training_number_resumes_bitwise_and_evaluate_agre
     assert train_oracle.logged(tmp_path / "on", "loss") == train_oracle.logged(tmp_path / "off", "loss")
     assert train_oracle.logged(tmp_path / "on", "val/loss") == val
 
-    # The test loop, launched on 4 processes by the command itself: the same layout gives
+    # The test loop, launched on 2 processes by the command itself: the same layout gives
     # the same number (TensorBoard keeps float32)...
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     same = subprocess.run([sys.executable, "-m", "meshtrain.cli", "evaluate", str(last_on.parent), *TRAIN[:-2],
-                           f"--out={tmp_path / 'same.json'}", "--nproc-per-node=4", "--rdzv-backend=c10d",
+                           f"--out={tmp_path / 'same.json'}", "--nproc-per-node=2", "--rdzv-backend=c10d",
                            f"--rdzv-endpoint=127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-4000:]
