@@ -149,25 +149,36 @@ def column_split(arch: str) -> list[str]:
 
 # ---- weights in and out: safetensors loaded sharded, checkpoints exported for transformers ----
 
-@pytest.mark.slow
-def test_initial_hf_weights_load_sharded_and_give_transformers_loss(tmp_path):
-    """dp 2 x tp 2 starts from a folder transformers wrote: the first step's loss is the one
-    transformers computes on the same batch."""
-    import torch.nn.functional as F
+@pytest.fixture(scope="module")
+def qwen2_run(tmp_path_factory):
+    """One dp 2 x tp 2 train.py job, 3 steps, starting from a folder transformers wrote and
+    saving checkpoints: (its output folder, the HF folder, the transformers model, its argv)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from meshtrain.training.config_loader import parse_args
-    from meshtrain.training.data import build_dataloader
-
-    folder = write_config(tmp_path / "qwen2", "qwen2")
+    root = tmp_path_factory.mktemp("qwen2_run")
+    folder = write_config(root / "qwen2", "qwen2")
     torch.manual_seed(7)
     plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     plain.save_pretrained(folder)  # config.json + model.safetensors
     args = ["--config", "hf_debug", f"--model.hf_config={folder}", f"--checkpoint.initial_load_hf={folder}",
-            "--training.steps=1", "--training.seq_len=32", f"--job.output_dir={tmp_path}", "--job.name=load"]
+            "--training.steps=3", "--training.seq_len=32", "--checkpoint.enable=true", f"--job.output_dir={root}",
+            "--job.name=run"]
     proc = torchrun("train.py", *args, nproc=4)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = train_oracle.logged(tmp_path / "load", "loss")[0]
+    return root, folder, plain, args
+
+
+@pytest.mark.slow
+def test_initial_hf_weights_load_sharded_and_give_transformers_loss(qwen2_run):
+    """dp 2 x tp 2 starts from a folder transformers wrote: the first step's loss (before
+    any update) is the one transformers computes on the same batch."""
+    import torch.nn.functional as F
+
+    from meshtrain.training.config_loader import parse_args
+    from meshtrain.training.data import build_dataloader
+
+    root, _, plain, args = qwen2_run
+    got = train_oracle.logged(root / "run", "loss")[0]
     cfg, _ = parse_args(args)
     data, _ = build_dataloader(cfg.training, dp_rank=0, dp_size=1)
     with torch.no_grad():
@@ -177,7 +188,7 @@ def test_initial_hf_weights_load_sharded_and_give_transformers_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_reloads_in_transformers_with_the_trained_models_logits(tmp_path):
+def test_export_reloads_in_transformers_with_the_trained_models_logits(qwen2_run):
     """A dp 2 x tp 2 run's checkpoint, exported with --format hf, loads with
     AutoModelForCausalLM.from_pretrained (tied embeddings tied) and gives the logits of
     meshtrain's model holding the checkpoint's weights."""
@@ -187,16 +198,12 @@ def test_export_reloads_in_transformers_with_the_trained_models_logits(tmp_path)
     from meshtrain.training.checkpoint import complete_checkpoints
     from meshtrain.training.export import model_tensors
 
-    folder = write_config(tmp_path / "qwen2", "qwen2")
-    proc = torchrun("train.py", "--config", "hf_debug", f"--model.hf_config={folder}", "--training.steps=3",
-                    "--training.seq_len=32", "--checkpoint.enable=true", f"--job.output_dir={tmp_path}",
-                    "--job.name=run", nproc=4)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    _, step = max(complete_checkpoints(tmp_path / "run" / "checkpoint"))
-    exported = subprocess.run([sys.executable, "-m", "meshtrain.training.export", str(step), str(tmp_path / "hf"), "--format",
+    root, folder, _, _ = qwen2_run
+    _, step = max(complete_checkpoints(root / "run" / "checkpoint"))
+    exported = subprocess.run([sys.executable, "-m", "meshtrain.training.export", str(step), str(root / "hf"), "--format",
                                "hf"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr[-3000:]
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(root / "hf")
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     ours = build_hf(str(folder))
     ours.init_weights(device="cpu")
