@@ -77,8 +77,8 @@ def test_one_process_and_dp2_tp2_with_accumulation_train_like_plain_pytorch(tmp_
     # NO_SHARD, pipelines) are proven against the same kind of reference in tests/test_parity.py.
     runs = {
         "single": _run(tmp_path, "single", 1, "--parallelism.dp_shard=1", "--parallelism.tp=1", *SAVE_LAST),
-        # Gradient accumulation (2 micro-batches of 1 per rank) sees the same global batch too.
-        "dp2_tp2_accum": _run(tmp_path, "dp2_tp2_accum", 4, "--training.local_batch_size=1", *SAVE_LAST),
+        # Gradient accumulation (4 sequences a rank a step: 2 micro-batches of 2) sees the same global batch too.
+        "dp2_tp2_accum": _run(tmp_path, "dp2_tp2_accum", 4, "--training.local_batch_size=2", *SAVE_LAST),
     }
     for name, run_dir in runs.items():
         train_oracle.assert_run_matches(run_dir, reference, name)
