@@ -7,7 +7,8 @@ Each step the group commits is appended to RECORDS (a JSON line from its rank 0:
 its loss, gradient norm and replica groups as logged, the time, torchrun's attempt). Every
 step sleeps SECONDS first (a stand-in for a real step's compute, so the survivors are
 still training while a killed group restarts). With KILL_STEP > 0, the group's rank 1
-SIGKILLs itself before that step on torchrun's first attempt only: torchrun then restarts
+SIGKILLs itself before that step (or, if the group joined later, before its second step)
+on torchrun's first attempt only: torchrun then restarts
 the group, which rejoins the others. Everything else -- torchrun, the lighthouse, torchft,
 gloo -- is real.
 """
@@ -41,10 +42,17 @@ metrics.MetricsLogger.log = log
 real_train_step = recipe.train_step  # what the step built by the recipe calls
 
 
+trained = []  # the steps this attempt has trained
+
+
 def train_step(*args, step, **kwargs):
-    if step == kill_step and first_attempt and os.environ.get("RANK") == "1":
+    # Before step KILL_STEP, or, when the group joined late (it heals from the others' live
+    # state, past KILL_STEP when its start-up was slow), before its second step: it always
+    # dies on its first attempt with a step committed, whatever the machine's load.
+    if first_attempt and kill_step and step >= kill_step and trained and os.environ.get("RANK") == "1":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(seconds)
+    trained.append(step)
     return real_train_step(*args, step=step, **kwargs)
 
 
