@@ -113,7 +113,7 @@ def killed_and_restarted(tmp_path_factory):
     out = tmp_path_factory.mktemp("ft")
     port = free_port()
     lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--quorum_tick_ms", "100",
-                                   "--join_timeout_ms", "2000", "--bind", f"[::]:{port}"],
+                                   "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"],
                                   stdout=open(out / "lighthouse.log", "w"), stderr=subprocess.STDOUT)
     try:
         time.sleep(0.5)  # the lighthouse binds its port
