@@ -76,7 +76,7 @@ def oracle_for(overrides: dict, init: dict, accum: int = 1, unclipped: bool = Fa
         if judge is None:
             judge = _oracles[key] = oracle.run_oracle(make, steps, **settings)
         if unclipped:
-            judge.unclipped = oracle.train(make(), steps, **{**settings, "max_norm": 0.0})
+            judge.unclipped = oracle.run_unclipped(make, steps, **settings)
     return judge
 
 
