@@ -22,10 +22,11 @@ Each file has one concern; imports go one way, from the bottom of this list to t
     report.py       estimates as text, and a layout as a train.py config
     estimate.py     memory + time = one layout's estimate; a train.py config's estimate
     traced_step.py  one rank's training step on fake tensors, as train.py builds it
+    alike_blocks.py       a stretch of alike blocks traced with three, expanded
+    alike_memory.py       the dry run at the real depth from three and four alike blocks
     dry_run.py      the dry run's report, beside the estimate
     representative_ranks.py   which ranks the hang check traces
     collective_record.py  a traced rank's collectives in order, per group
-    alike_blocks.py       a stretch of alike blocks traced with three, expanded
     collective_compare.py the hang check's comparisons
     collective_check.py   the hang check over representative ranks
     search.py       every valid layout, those that fit, fastest first

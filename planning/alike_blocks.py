@@ -50,11 +50,14 @@ def signature(block: nn.Module) -> list:
     return out
 
 
-def collapse(cfg, model: nn.Module, layout):
+def collapse(cfg, model: nn.Module, layout, *, longer_than: int = KEEP, grow: tuple | None = None,
+             only_if=lambda real: True):
     """(the layout to build with, {block name: (stage, run, position)} of the blocks kept,
     {(stage, run): its real number of blocks}). A run is a stretch of a stage's blocks that
-    are alike; each run of more than KEEP keeps its first KEEP. The model loses the blocks
-    no stage keeps (on meta: nothing is freed or copied); ``layout`` is left as it is."""
+    are alike; each run of more than ``longer_than`` keeps its first KEEP, the run ``grow``
+    (stage, run) one more (the memory extrapolation's second depth, planning/alike_memory.py),
+    if ``only_if(real)`` says so. The model loses the blocks no stage keeps (on meta:
+    nothing is freed or copied); ``layout`` is left as it is."""
     blocks = getattr(model, "transformer_blocks", lambda: None)()
     if not isinstance(blocks, nn.ModuleDict) or cfg.activation_checkpoint.mode == "selective":
         return layout, {}, {}
@@ -70,12 +73,12 @@ def collapse(cfg, model: nn.Module, layout):
                 runs.append((sig, [i]))
         kept.append([])
         for r, (_, run) in enumerate(runs):
-            if len(run) > KEEP:
+            if len(run) > longer_than:
                 real[s, r] = len(run)
-                tags.update({str(i): (s, r, k) for k, i in enumerate(run[:KEEP])})
-                run = run[:KEEP]
+                run = run[:KEEP + ((s, r) == grow)]
+                tags.update({str(i): (s, r, k) for k, i in enumerate(run)})
             kept[-1] += run
-    if not real:
+    if not real or not only_if(real):
         return layout, {}, {}
     if layout.stage_layers is None:
         for name in [k for k in blocks if int(k) not in kept[0]]:
@@ -95,12 +98,21 @@ class BlockTags:
         # the whole model's block names
         self.of = {block: tags[name] for _, part in parts if tags
                    for name, block in part.transformer_blocks().items() if name in tags}
-        self.running, self.owner = [], []
+        self.running, self.owner, self.last = [], [], None
 
     def current(self):
         if self.running:
             return self.running[-1]
         return self.owner[-1] if self.owner else None
+
+    def latest(self):
+        """The current tag, or else the last one there was: what runs between two blocks
+        (hooks, the next block's gather) belongs to the block before, so a middle block's
+        stretch of memory events repeats whole with each middle block."""
+        tag = self.current()
+        if tag is not None:
+            self.last = tag
+        return self.last
 
     def __enter__(self):
         from torch.distributed._tools.mod_tracker import ModTracker

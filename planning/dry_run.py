@@ -14,6 +14,9 @@ Under a pipeline, the schedule itself needs its neighbours, which a fake group d
 have; this rank's stages instead run the forwards its schedule keeps in flight at once
 (1F1B: pp - rank for its stage; GPipe: all) then their backwards, and the boundary
 traffic is computed from the activation shape.
+
+A deep stage is traced twice, with 3 and 4 of its alike blocks, and its memory, traffic
+and parameter counts extrapolated to the real depth, exactly (planning/alike_memory.py).
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtrain.parallel.mesh import LayoutError
+from meshtrain.parallel.pipeline import stage_ids
 from meshtrain.physics.gpus import CUDA_CONTEXT, get_gpu, runtime_bytes, usable_bytes
 from meshtrain.physics.gpus import GIB as GiB
 from meshtrain.physics.gpus import HEADROOM
+from meshtrain.planning.alike_blocks import KEEP, BlockTags, collapse
+from meshtrain.planning.alike_memory import Shallow, Timeline, extrapolate, worth_it
 from meshtrain.planning.collectives import CountCollectives, mesh_group_names
 from meshtrain.planning.estimate import NotModelled, estimate, planner_job
 from meshtrain.planning.fake_world import (breakdown, init_fake_world, memory_tracker, one_thread,
@@ -37,18 +43,19 @@ from meshtrain.training import recipe
 
 
 def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "", *,
-            fake: bool = True, quiet: bool = False) -> dict:
+            fake: bool = True, quiet: bool = False, every_block: bool = False) -> dict:
     """Build and trace rank ``rank``'s view of ``cfg`` at ``world_size``; print the report
     (unless ``quiet``) and return its numbers. ``gpu`` (e.g. "h100-80gb"): say whether the
     peak fits. ``fake=False`` runs the step on real CPU tensors instead (small models only):
-    the reference tests check the fake trace against."""
+    the reference tests check the fake trace against. Long stretches of alike blocks are
+    traced at two shallow depths and extrapolated exactly (planning/alike_memory.py),
+    unless ``every_block``: the reference that is tested against."""
     with one_thread() if fake else contextlib.nullcontext():
-        return _dry_run(cfg, world_size, rank, gpus_per_node, gpu, fake=fake, quiet=quiet)
+        return _dry_run(cfg, world_size, rank, gpus_per_node, gpu, fake=fake, quiet=quiet, every_block=every_block)
 
 
-def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, fake: bool, quiet: bool) -> dict:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, fake: bool, quiet: bool,
+             every_block: bool) -> dict:
     card = None
     if gpu:
         try:
@@ -58,19 +65,54 @@ def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, f
     if rank >= world_size:
         raise LayoutError(f"--rank={rank} is outside the world of {world_size} ranks")
     started = time.perf_counter()
+    say = (lambda text: None) if quiet else (lambda text: print(f"meshtrain dry run: {text}", flush=True))
+    say(f"building rank {rank} of {world_size}: model on meta, mesh, TP / FSDP / pipeline stages ...")
+    shallow = fake and not every_block and cfg.activation_checkpoint.mode != "selective" \
+        and cfg.optimizer.name != "Muon"
+    say("tracing one training step on fake tensors ...")
+    report = _trace(cfg, world_size, rank, gpus_per_node, fake=fake, grow=() if shallow else None)
+    if "shallow" in report:
+        report = _deep(cfg, world_size, rank, gpus_per_node, report, say)
+    layout, groups = report.pop("layout"), report.pop("groups")
+    report["seconds"] = time.perf_counter() - started
+    if card is not None:
+        report["runtime"] = {"context": CUDA_CONTEXT, "nccl": runtime_bytes(groups) - CUDA_CONTEXT,
+                             "communicators": groups, "total": runtime_bytes(groups)}
+        # after the fake world is gone: the planner's probe makes its own; on the whole
+        # model (the traced one may have lost blocks, planning/alike_memory.py)
+        report.update(judge_fit(report["memory"]["total"], card, cfg, layout,
+                                recipe.build_model(cfg, tokenizer_vocab=1), world_size, gpus_per_node, rank))
+    if not quiet:
+        print_report(report, cfg)
+    return report
+
+
+def _trace(cfg, world_size: int, rank: int, gpus_per_node: int, *, fake: bool, grow) -> dict:
+    """One traced step of the rank; its report. ``grow``: None, every block is traced;
+    else alike runs are cut to KEEP blocks, the run ``grow`` (a (stage, run)) to KEEP + 1,
+    and the report keeps what planning/alike_memory.py extrapolates from ("shallow")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cut = tags = None
+    if grow is not None:
+        tags, real = {}, {}
+
+        def cut(model, layout):
+            built, kept, found = collapse(cfg, model, layout, longer_than=KEEP + 1, grow=grow or None,
+                                          only_if=lambda found: worth_it(_on_rank(found, layout, rank, world_size)))
+            tags.update(kept)
+            real.update(_on_rank(found, layout, rank, world_size))
+            return built
+
     init_fake_world(rank, world_size)
     try:
-        say = (lambda text: None) if quiet else (lambda text: print(f"meshtrain dry run: {text}", flush=True))
-        say(f"building rank {rank} of {world_size}: model on meta, mesh, TP / FSDP / pipeline stages ...")
-        model, layout, mesh, parts = build_rank(cfg, world_size, gpus_per_node)
+        model, layout, mesh, parts = build_rank(cfg, world_size, gpus_per_node, cut)
         stage_layers = layout.stage_layers
         modules = [part for _, part in parts]
         names = mesh_group_names(mesh)
         report = {"world_size": world_size, "rank": rank, "mesh": describe_mesh(mesh, rank, gpus_per_node),
                   "stages": [(i, stage_layers[i] if stage_layers else None) for i, _ in parts],
-                  "parameters": _param_counts(modules, model)}
-        say(f"tracing one training step on fake tensors ({time.perf_counter() - started:.0f} s so far; "
-            f"about a minute for 405B at 512 ranks) ...")
+                  "parameters": _param_counts(modules, model), "layout": layout, "groups": len(names)}
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
@@ -79,9 +121,11 @@ def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, f
             tracker = memory_tracker(modules, optimizers)
             tracker.track_external(*optimizers.optimizers)
             comm = CountCollectives(names)
-            with sharding_propagation_untracked(), tracker, comm:
-                report["traced"] = trace_step(cfg, layout, mesh, parts, optimizers, model.cfg,
-                                              comm, tracker)
+            block_tags = BlockTags(parts, tags or {})
+            if tags:
+                tracker.timeline = Timeline(lambda: (comm.phase, block_tags.latest()))
+            with sharding_propagation_untracked(), tracker, comm, block_tags:
+                report["traced"] = trace_step(cfg, layout, mesh, parts, optimizers, model.cfg, comm, tracker)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
             after = next(iter(tracker.get_tracker_snapshot("current").values()))
         report["memory"] = breakdown(peak)
@@ -89,19 +133,41 @@ def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, f
         report["comm"] = comm.stats.rows
         if stage_layers is not None:
             report["comm"].update(_pipeline_boundary(cfg, layout, parts, model.cfg))
-        report["seconds"] = time.perf_counter() - started
+        if tags:
+            report["shallow"] = (Shallow(tracker.timeline, after, dict(report["comm"]), report["parameters"]), real)
     finally:
         dist.destroy_process_group()
-    if card is not None:
-        groups = len(names)
-        report["runtime"] = {"context": CUDA_CONTEXT, "nccl": runtime_bytes(groups) - CUDA_CONTEXT,
-                             "communicators": groups, "total": runtime_bytes(groups)}
-    if card is not None:  # after the fake world is gone: the planner's probe makes its own
-        report.update(judge_fit(report["memory"]["total"], card, cfg, layout, model, world_size,
-                                gpus_per_node, rank))
-    if not quiet:
-        print_report(report, cfg)
     return report
+
+
+def _deep(cfg, world_size: int, rank: int, gpus_per_node: int, base: dict, say) -> dict:
+    """The report at the real depth from ``base``, the trace with alike runs cut to KEEP
+    blocks: one more trace per run, with that run at KEEP + 1, and every number
+    extrapolated (planning/alike_memory.py); or every block traced, when that is as cheap
+    or the traces do not line up."""
+    shallow, real = base["shallow"]
+    say(f"and again with {KEEP + 1} blocks of each stretch of alike blocks "
+        f"({', '.join(str(n) for n in real.values())} blocks), to extrapolate ...")
+    grown = {run: _trace(cfg, world_size, rank, gpus_per_node, fake=True, grow=run)["shallow"][0]
+             for run in real}
+    found = extrapolate(shallow, grown, real)
+    if found is None:
+        say("the shallow traces do not line up: tracing every block ...")
+        return _trace(cfg, world_size, rank, gpus_per_node, fake=True, grow=None)
+    peak, after, rows, counts = found
+    lengths = " + ".join(str(n) for n in real.values())
+    del base["shallow"]
+    return {**base, "memory": breakdown(peak), "memory_between_steps": breakdown(after), "comm": rows,
+            "parameters": counts,
+            "traced": base["traced"] + f"; blocks: {KEEP} and {KEEP + 1} of {lengths} alike, the rest extrapolated"}
+
+
+def _on_rank(runs: dict, layout, rank: int, world_size: int) -> dict:
+    """The runs of alike blocks in this rank's stages."""
+    if layout.stage_layers is None:
+        return runs
+    mine = stage_ids(rank // (world_size // layout.pp), layout.pp, len(layout.stage_layers), layout.placement)
+    return {run: n for run, n in runs.items() if run[0] in mine}
 
 
 def judge_fit(peak: int, card, cfg, layout, model, world_size: int, gpus_per_node: int, rank: int) -> dict:

@@ -152,11 +152,15 @@ def peak_only(tracker_cls):
     of a 70B step); only the rank's overall peak is reported here, so skip the rest. And
     tensors of DTensor's sharding propagation are not memory (see above)."""
     class PeakOnly(tracker_cls):
+        timeline = None  # set: every update is recorded (planning/alike_memory.py)
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
+            if self.timeline is not None:
+                self.timeline.record(self._curr_mem_snap)
 
         def _track(self, reftype, t) -> None:
             if not getattr(_in_sharding_propagation, "on", False):

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
-from torch.distributed.fsdp import FSDPModule
+import torch.distributed.pipelining  # noqa: F401  its import makes a tensor (a loss reducer's 0.0):
+from torch.distributed.fsdp import FSDPModule  # imported inside a traced step, the tracker counted it
 from torch.distributed.tensor import DTensor
 
 from meshtrain.parallel import clip_grad_norm_, loss_parallel_context, submesh
