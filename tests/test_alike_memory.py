@@ -89,17 +89,19 @@ def test_traces_that_are_not_one_block_apart_do_not_line_up():
                    (0, 0)) is None
 
 
-def program(n: int) -> Shallow:
+def program(n: int, act: int = 10, ahead: int = 25, shard: int = 3, spike: int = 0) -> Shallow:
     """A step of n alike blocks as its memory updates, written out: each forward saves
     `act` and, but for the last block, gathers the next block ahead (`ahead`, freed when
     that block is done); the backward frees the saved activations and keeps a gradient
-    shard per block. With `ahead` above `act` the peak is the forward of block n - 2,
-    the last middle block: the case where a middle block's index decides the peak."""
-    act, ahead, shard, state = 10, 25, 3, 7
+    shard per block, a middle block's backward also holding `spike` for a moment. With
+    `ahead` above `act` the peak is the forward of block n - 2, the last middle block:
+    the case where a middle block's index decides the peak."""
+    state = 7
     tags, snaps = [], []
 
-    def update(phase, block: int, activations: int, gathered: int, grads: int):
-        snap = {"Activation": activations, "All Gather": gathered, "Sharded Grad": grads, "OptState": state * n}
+    def update(phase, block: int, activations: int, gathered: int, grads: int, temp: int = 0):
+        snap = {"Activation": activations, "All Gather": gathered, "Sharded Grad": grads, "OptState": state * n,
+                "Temp": temp}
         snap["Total"] = sum(snap.values())
         tags.append((phase, (0, 0, block)))  # as traced at n = 3 and 4: position = index
         snaps.append(snap)
@@ -108,7 +110,7 @@ def program(n: int) -> Shallow:
         update("forward", i, act * i, 0, 0)
         update("forward", i, act * (i + 1), ahead if i < n - 1 else 0, 0)
     for i in reversed(range(n)):
-        update("backward", i, act * (i + 1), 0, shard * (n - 1 - i))
+        update("backward", i, act * (i + 1), 0, shard * (n - 1 - i), spike if 0 < i < n - 1 else 0)
         update("backward", i, act * i, 0, shard * (n - i))
     timeline = Timeline(None)
     timeline.tags, timeline.snaps = tags, snaps
@@ -123,3 +125,15 @@ def test_a_peak_in_the_last_middle_block_is_found_at_the_real_depth():
     peak, after, _, _ = extrapolate(program(KEEP), {(0, 0): program(KEEP + 1)}, {(0, 0): n})
     assert peak == expected
     assert after == whole[-1]
+
+
+def test_of_equal_peaks_the_one_the_step_meets_first_is_reported():
+    """The tracker keeps the first of equal peaks. With a gradient shard as large as a
+    block's activations every middle block's backward holds the same total, split
+    differently; the backward meets block n - 2 first, so its split is the one reported."""
+    n, shape = 9, dict(act=10, ahead=0, shard=10, spike=50)
+    whole = program(n, **shape).timeline.snaps
+    expected = max(whole, key=lambda s: s["Total"])  # max() keeps the first, as the tracker does
+    assert expected is whole[2 * n + 2]  # the backward of block n - 2 (after the last block's two updates)
+    peak, _, _, _ = extrapolate(program(KEEP, **shape), {(0, 0): program(KEEP + 1, **shape)}, {(0, 0): n})
+    assert peak == expected
