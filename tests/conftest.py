@@ -1,5 +1,4 @@
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +36,11 @@ def pytest_collection_modifyitems(items):
 def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: dict | None = None,
              max_restarts: int = 0):
     """Launch a real torchrun job from the repo root; returns the CompletedProcess."""
-    with socket.socket() as s:  # a free port, so tests can run side by side
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}",
+    # --standalone: the launcher's store binds port 0 itself. A port found free here and
+    # handed over could be taken in between (another test's gloo sockets use the same
+    # ephemeral range), and the launcher would then connect to a stranger's socket.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}",
            script, *args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -96,8 +96,8 @@ def test_no_lighthouse_at_the_address_is_said_before_any_process_group(tmp_path)
 # ---------------------------------------------------------------- a group killed and restarted
 
 def group(out: Path, port: int, replica: int, kill_step: int, lighthouse: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={1 if kill_step else 0}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           f"--max-restarts={1 if kill_step else 0}",
            "tests/workers/ft_replica.py", str(out / f"records{replica}.jsonl"), str(STEP_SECONDS), str(kill_step),
            *GROUP, f"--job.output_dir={out}", "--job.name=ft", f"--fault_tolerance.replica_id={replica}",
            f"--fault_tolerance.lighthouse={lighthouse}"]
