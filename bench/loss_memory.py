@@ -25,7 +25,8 @@ from meshtrain.training.step import loss_function
 
 
 def plain(logits, labels):
-    return F.cross_entropy(logits.float(), labels)  # what training/step.py's default does
+    # what training/step.py's default does, written out with torch alone
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def peak_bytes(fn, logits, labels) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -70,9 +71,10 @@ def measure(device: str = "cpu", tokens: int = 4096, vocab: int = 32768, repeats
     difference of its loss and gradient from plain's. ``compiled``: include [compile]
     loss (default: on CUDA only; on CPU compiling takes minutes)."""
     torch.manual_seed(0)
-    logits = (torch.randn(tokens, vocab, device=device) * 3).to(torch.bfloat16)
-    labels = torch.randint(0, vocab, (tokens,), device=device)
-    labels[: tokens // 8] = -100  # as a fine-tuning prompt's
+    # [batch, seq, vocab] and [batch, seq], as the model hands them to the loss
+    logits = (torch.randn(1, tokens, vocab, device=device) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (1, tokens), device=device)
+    labels[:, : tokens // 8] = -100  # as a fine-tuning prompt's
     variants = {"plain": plain, "chunked": loss_function(chunked=True)}
     if compiled if compiled is not None else device == "cuda":
         variants["compiled"] = loss_function(compiled=True)
