@@ -44,14 +44,16 @@ FA_BACKWARD = 2.5      # backward / forward FLOPs of flash attention (FlashAtten
 RMS_NORM_EAGER = 40
 # [float8] recipe -> how much faster the Linear layers' matmuls run than in bf16 (the
 # output layer, attention and element-wise work stay bf16). From the H100 measurement of
-# docs/benchmarks.md (10 Llama-3-8B blocks, seq 8192, compiled, op-level AC, one GPU:
-# tensorwise 1.16x bf16 tokens/s, rowwise 1.00x): the factor with which the planner's whole
-# step there (block matmuls 41% of it, the passes over the parameters a quarter) gives 1.16x;
-# rowwise measured no gain. Net of float8's casts: the profile of that step times the block
-# matmuls themselves 1.93x faster (bench/results/2026-11-26_h100_ac_policy_profile.txt).
+# docs/benchmarks.md (10 Llama-3-8B blocks, seq 8192, compiled, op-level AC, one GPU, one
+# sequence a step: tensorwise 1.16x bf16 tokens/s, rowwise 1.00x): the factor with which
+# the planner's whole step there, its matmuls timed from the measured H100 table
+# (physics/kernels/h100.json), gives 1.16x; rowwise measured no gain. With 8 micro-batches
+# a step the same factor gives 1.175x, against 1.181x measured (2026-11-28, not fitted).
+# Net of float8's casts: the profile of that step times the block matmuls themselves 1.93x
+# faster (bench/results/2026-11-26_h100_ac_policy_profile.txt).
 # torchao's published end-to-end gains are higher (tensorwise up to 1.25x at 8 GPUs / Llama
 # 3 8B, rowwise 1.12x, torchtitan commit 7a04053): docs/planning.md, Float8.
-FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.52, "rowwise": 1.0}
+FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.46, "rowwise": 1.0}
 # The loss's memory traffic per logit, forward and backward, each op reading its inputs
 # once and writing its outputs once (tests/test_chunked_loss.py counts them on the code).
 # F.cross_entropy on the fp32 upcast: the upcast (2 + 4), log-softmax (4 + 4), nll's

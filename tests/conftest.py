@@ -100,6 +100,19 @@ def dry_run_refusal(*argv: str) -> str:
 
 
 @pytest.fixture
+def roofline_only(tmp_path, monkeypatch):
+    """The planner with no measured kernel table: every GPU's matmuls by the roofline
+    (planning/matmul.py), as for a GPU nobody has measured."""
+    from meshtrain.planning import matmul
+
+    monkeypatch.setattr(matmul, "TABLES", tmp_path)
+    matmul.gemm_seconds.cache_clear()
+    yield
+    monkeypatch.undo()
+    matmul.gemm_seconds.cache_clear()
+
+
+@pytest.fixture
 def fake_world():
     """A fake process group of any size in this one process (no communication happens)."""
     import torch.distributed as dist

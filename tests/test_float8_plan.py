@@ -33,16 +33,23 @@ def test_float8_moves_the_estimate_by_its_factor_on_the_block_matmuls_only(recip
     assert a.step_time - b.step_time == pytest.approx(a.compute_split["matmul"] - b.compute_split["matmul"], rel=1e-9)
 
 
-def test_the_tensorwise_factor_gives_the_measured_speedup_at_the_benchmarks_shape():
-    """docs/benchmarks.md: 10 Llama-3-8B blocks, seq 8192, one sequence, compiled, op-level
-    AC, one H100: float8 tensorwise 1.16x bf16 tokens/s, rowwise 1.00x. The whole step, as
-    the planner estimates it (the passes over the parameters included: with the factor
-    fitted to the blocks alone, 1.36, the step comes out 1.12x)."""
-    job = Job(resolve_model("8B", n_layers=10), H100, 1, 1, 8192, 1, compiled=True)
-    lay = ParallelDims(world_size=1, dp_shard=1, ac="op", micro_batch=1)
-    run = lambda recipe: estimate(dataclasses.replace(job, float8=recipe), lay).step_time
-    assert run("") / run("tensorwise") == pytest.approx(1.16, abs=0.005)
-    assert run("") / run("rowwise") == pytest.approx(1.00, abs=0.005)
+def test_the_tensorwise_factor_gives_the_measured_speedups_at_the_benchmarks_shape():
+    """docs/benchmarks.md: 10 Llama-3-8B blocks, seq 8192, one sequence a micro-batch,
+    compiled, op-level AC, one H100. The factor is fitted to one micro-batch a step (float8
+    tensorwise 1.16x bf16 tokens/s, rowwise 1.00x); with 8 a step the optimizer's share
+    shrinks and the same factor must give the 1.181x measured there (2026-11-28), which it
+    was not fitted to (a planner that charged the optimizer per micro-batch would give 1.16x
+    there too). The whole step as the planner estimates it, the passes over the parameters
+    included."""
+    def ratio(recipe, accum):
+        job = Job(resolve_model("8B", n_layers=10), H100, 1, 1, 8192, accum, compiled=True)
+        lay = ParallelDims(world_size=1, dp_shard=1, ac="op", micro_batch=1)
+        run = lambda r: estimate(dataclasses.replace(job, float8=r), lay).step_time
+        return run("") / run(recipe)
+
+    assert ratio("tensorwise", 1) == pytest.approx(1.16, abs=0.005)
+    assert ratio("tensorwise", 8) == pytest.approx(1.181, abs=0.01)
+    assert ratio("rowwise", 1) == pytest.approx(1.00, abs=0.005)
 
 
 def test_float8_all_gather_halves_the_gathered_bytes_of_the_converted_linear_weights_only():

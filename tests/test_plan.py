@@ -118,16 +118,16 @@ def test_activation_checkpointing_and_schedules_order_memory(job70):
     assert all(s.inflight / s.layers == 16 for s in gpipe)
 
 
-def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds(job70):
+def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds(job70, roofline_only):
     lay = ParallelDims(tp=8, pp=1, dp_replicate=1, dp_shard=8, world_size=64, strategy="FULL_SHARD", ac="none",
                        micro_batch=2)
     m, s, t = job70.model, job70.seq_len, 8
     tokens = job70.global_batch // lay.dp * s         # each data-parallel rank's, which its 8 TP GPUs share
     e = estimate(job70, lay)
     # Matmuls: 6 FLOPs per weight per token (blocks and output layer, / tp) at the measured
-    # large-matmul speed, slowed by the tile and wave quantization and the tile epilogues of
-    # 70B's TP-8 shapes: by less than 10% (planning/matmul.py; tests/test_matmul.py checks
-    # the shape effect itself).
+    # large-matmul speed, slowed by the roofline's tile and wave quantization and the tile
+    # epilogues of 70B's TP-8 shapes: by less than 10% (planning/matmul.py; tests/test_matmul.py
+    # checks the shape effect itself, and the measured H100 table that replaces the roofline).
     matmul = 6 * (m.n_layers * m.layer_split + m.head_split) / t * tokens / H100.achievable_flops
     # Flash attention: 4 s d per head per token forward, halved by the causal mask, 2.5x
     # that backward, at 35% of the peak (FlashAttention-3 paper: FlashAttention-2 on H100).

@@ -35,7 +35,7 @@ def test_within_15_percent_of_our_measured_h100_runs(row):
     assert abs(error(row)) <= 0.15, f"{error(row):+.0%}"
 
 
-def test_megatron_pipeline_rows_within_25_percent_and_the_tp_only_rows_optimistic():
+def test_megatron_pipeline_rows_within_30_percent_and_the_1_7b_row_optimistic():
     rows = validation.megatron()
     assert len(rows) == 9
     for row in rows:
@@ -45,14 +45,14 @@ def test_megatron_pipeline_rows_within_25_percent_and_the_tp_only_rows_optimisti
             # which Megatron fuses into its weight-gradient GEMM (gradient_accumulation_fusion);
             # -18% with the SMs its hidden data-parallel traffic holds (planning/hardware.py),
             # -20% with the copies torch makes around sequence-parallel collectives, which
-            # Megatron's sequence-first activations do not need (tp_layout_copies).
-            assert -0.25 < error(row) <= 0.15, (row["run"], f"{error(row):+.0%}")
-        else:  # 1.7B to 16B still optimistic with matmuls timed by shape (planning/matmul.py:
-            # 1.7B +46% -> +43% -> +41% with the passes over the parameters, +39% with the SMs
-            # collectives hold): what is left of the miss is not the roofline's
-            # (docs/planning.md); 16B and 32B within 15%.
-            assert -0.15 < error(row) < 0.5, (row["run"], f"{error(row):+.0%}")
-            if row["job"].model.dim < 6144:
+            # Megatron's sequence-first activations do not need (tp_layout_copies); -28% with
+            # the matmuls at the measured H100 table's speeds (physics/kernels/h100.json).
+            assert -0.30 < error(row) <= 0.15, (row["run"], f"{error(row):+.0%}")
+        else:  # By the measured H100 table: 1.7B +25% (+39% by the roofline), 7.1B +9%,
+            # 16B -8%, 32B -19% (docs/planning.md): what is left of the 1.7B miss is not the
+            # matmuls' speed.
+            assert -0.25 < error(row) < 0.4, (row["run"], f"{error(row):+.0%}")
+            if row["job"].model.dim < 4096:
                 assert error(row) > 0.15, (row["run"], f"{error(row):+.0%}")
 
 
@@ -98,9 +98,10 @@ def test_torchtitan_rows_are_all_optimistic():
     # Their H100s run at 500 W with HBM2e (peak "between SXM and NVL", their footnote): on
     # our 700 W H100 the same block reaches 45.6% / 50.7% MFU, on theirs 33.7% / 39.0%: 1.30x
     # to 1.35x. Their TP 8 rows pay the copies around sequence-parallel collectives as meshtrain
-    # does (70B +37% -> +29% once counted), a few points under that ratio.
+    # does (70B +37% -> +29% once counted), a few points under that ratio. With the matmuls
+    # at the measured H100 table's speeds: +16% (70B) to +48% (8B FSDP 128, compiled).
     for row in validation.torchtitan():
-        assert 0.25 < error(row) < 0.8, (row["run"], f"{error(row):+.0%}")
+        assert 0.1 < error(row) < 0.6, (row["run"], f"{error(row):+.0%}")
 
 
 def test_a_pipelines_sends_are_on_the_timeline_gpipe_pays_its_fill_and_drain_hops():
