@@ -64,24 +64,28 @@ def test_each_linear_runs_its_forward_and_both_backward_matmuls_at_its_own_shape
     assert sum(i * o for i, o in shapes) == model.layer_split // tp
 
 
-def test_the_shipped_h100_table_is_what_the_planner_times_an_h100_by():
-    """physics/kernels/h100.json, bench/kernel_speeds.py's run on an H100 80GB HBM3: a shape
-    it measured is timed at its measured rate, whatever the roofline says."""
-    path = matmul.TABLES / "h100.json"
-    measured = json.loads(path.read_text())
-    assert measured["device"] == "NVIDIA H100 80GB HBM3" and not measured["quick"]
+@pytest.mark.parametrize("file, device, name", [("h100.json", "NVIDIA H100 80GB HBM3", "h100-80gb"),
+                                                ("h200.json", "NVIDIA H200", "h200-141gb")])
+def test_a_shipped_table_is_what_the_planner_times_its_gpu_by(file, device, name):
+    """physics/kernels/, bench/kernel_speeds.py's runs on an H100 80GB HBM3 and an H200: a
+    shape it measured is timed at its measured rate, whatever the roofline says."""
+    measured = json.loads((matmul.TABLES / file).read_text())
+    assert measured["device"] == device and not measured["quick"]
+    gpu = get_gpu(name)
     gemm_seconds.cache_clear()
     for row in measured["matmul"]:
         m, k, n = row["m"], row["k"], row["n"]
-        assert 2 * m * k * n / gemm_seconds(m, k, n, H100) == pytest.approx(row["tflops"] * 1e12, rel=1e-12)
+        assert 2 * m * k * n / gemm_seconds(m, k, n, gpu) == pytest.approx(row["tflops"] * 1e12, rel=1e-12)
 
 
-def test_a_shape_left_out_of_the_h100_table_is_predicted_from_the_rest_within_5_percent():
+@pytest.mark.parametrize("file, name", [("h100.json", "h100-80gb"), ("h200.json", "h200-141gb")])
+def test_a_shape_left_out_of_a_shipped_table_is_predicted_from_the_rest_within_5_percent(file, name):
     """Each measured shape left out in turn and timed from the other rows: the median
-    error is what the planner makes on a shape nobody measured (the roofline alone: 23%;
-    the same weights on the rates instead of the ratios to the roofline: 7%)."""
-    _, rows = load_matmul_table(matmul.TABLES / "h100.json")
-    errors = sorted(abs(table_rate(rows[:i] + rows[i + 1:], *row[:3], H100) / row[3] - 1)
+    error is what the planner makes on a shape nobody measured (H100: the roofline alone
+    23%; the same weights on the rates instead of the ratios to the roofline 7%)."""
+    _, rows = load_matmul_table(matmul.TABLES / file)
+    gpu = get_gpu(name)
+    errors = sorted(abs(table_rate(rows[:i] + rows[i + 1:], *row[:3], gpu) / row[3] - 1)
                     for i, row in enumerate(rows))
     assert errors[len(errors) // 2] < 0.05, errors[len(errors) // 2]
 
