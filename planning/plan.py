@@ -20,7 +20,7 @@ import sys
 
 from meshtrain.models import registry
 from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
-from meshtrain.planning import hardware
+from meshtrain.planning import hardware, matmul
 from meshtrain.planning.report import describe, format_breakdown, format_table, to_toml
 from meshtrain.planning.search import LONG_SEQ, plan
 from meshtrain.planning.shape import Job, ModelShape
@@ -102,6 +102,13 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def matmul_speeds(gpu) -> str:
+    """How the estimate times matmuls on ``gpu``: its measured table, or the roofline."""
+    if matmul.measured_tables(matmul.TABLES).get(gpu.name):
+        return f"matmuls at the speeds measured by shape (physics/kernels/, {gpu.name})"
+    return f"large matmuls at {gpu.matmul_efficiency:.0%} of it (others by shape over {gpu.sms} SMs)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -152,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                if dims else "")
     print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
-          f"sequences{', chunked loss' if job.chunked_loss else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: large matmuls at "
-          f"{gpu.matmul_efficiency:.0%} of it (others by shape over {gpu.sms} SMs), flash attention at "
+          f"sequences{', chunked loss' if job.chunked_loss else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: {matmul_speeds(gpu)}, flash attention at "
           f"{gpu.attention_efficiency:.0%}, memory-bound work at "
           f"{gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "
           f"(docs/planning.md, Validation).")
