@@ -115,6 +115,16 @@ def measured_tables(folder: Path) -> dict[str, tuple]:
     return tables
 
 
+def _roofline_rate(m: int, k: int, n: int, gpu) -> float:
+    return 2 * m * k * n / roofline_seconds(m, k, n, gpu)
+
+
+@lru_cache(maxsize=None)
+def _log_ratios(rows: tuple, gpu) -> tuple[float, ...]:
+    """log(measured / roofline) of each measured row: once per table, not per shape asked."""
+    return tuple(math.log(rate / _roofline_rate(m, k, n, gpu)) for m, k, n, rate in rows)
+
+
 def table_rate(rows, m: int, k: int, n: int, gpu) -> float:
     """FLOP/s at (m, k, n) from measured rows: a measured shape's own rate, else the
     roofline's rate times the measured-over-roofline ratio of the measured shapes, its log
@@ -123,17 +133,14 @@ def table_rate(rows, m: int, k: int, n: int, gpu) -> float:
     own shape dependence remains. Chosen by leaving each row of the H100 table out and
     predicting it from the rest (tests/test_matmul.py): median error 4%, against 7% for
     the same weights on the rates themselves and 23% for the roofline alone."""
-    def roofline_rate(rm, rk, rn):
-        return 2 * rm * rk * rn / roofline_seconds(rm, rk, rn, gpu)
-
-    weights, logs = [], []
+    weights = []
     for rm, rk, rn, rate in rows:
         d2 = math.log(m / rm) ** 2 + math.log(k / rk) ** 2 + math.log(n / rn) ** 2
         if d2 == 0:
             return rate
         weights.append(1 / d2**2)
-        logs.append(math.log(rate / roofline_rate(rm, rk, rn)))
-    return roofline_rate(m, k, n) * math.exp(sum(w * x for w, x in zip(weights, logs)) / sum(weights))
+    logs = _log_ratios(tuple(rows), gpu)
+    return _roofline_rate(m, k, n, gpu) * math.exp(sum(w * x for w, x in zip(weights, logs)) / sum(weights))
 
 
 @lru_cache(maxsize=65536)

@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                if dims else "")
     print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
-          f"sequences{', chunked loss' if job.chunked_loss else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16: {matmul_speeds(gpu)}, flash attention at "
-          f"{gpu.attention_efficiency:.0%}, memory-bound work at "
+          f"sequences{', chunked loss' if job.chunked_loss else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s "
+          f"bf16: {matmul_speeds(gpu)}, flash attention at {gpu.attention_efficiency:.0%}, memory-bound work at "
           f"{gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "
           f"(docs/planning.md, Validation).")
     if not fitting and smallest is None:

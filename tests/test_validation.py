@@ -241,7 +241,8 @@ def test_validation_changes_no_training_number_resumes_bitwise_and_evaluate_agre
     # The test loop, launched on 2 processes by the command itself: the same layout gives
     # the same number (TensorBoard keeps float32)...
     same = subprocess.run([sys.executable, "-m", "meshtrain.cli", "evaluate", str(last_on.parent), *TRAIN[:-2],
-                           f"--out={tmp_path / 'same.json'}", "--nproc-per-node=2", "--standalone"], cwd=ROOT, capture_output=True, text=True,
+                           f"--out={tmp_path / 'same.json'}", "--nproc-per-node=2", "--standalone"],
+                          cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-4000:]
     got = json.loads((tmp_path / "same.json").read_text())
