@@ -14,7 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.conftest import ROOT, one_process, torchrun
 from meshtrain.training.checkpoint import complete_checkpoints
 
-STEPS = 12
+STEPS = 8
+HALF = STEPS // 2  # the checkpoint the resumed runs start from
 DP2_TP2 = ("--parallelism.dp_shard=2", "--parallelism.tp=2")
 PP2_DP2 = ("--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=1")
 
@@ -22,7 +23,7 @@ PP2_DP2 = ("--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=1
 def args(out, name, *overrides):
     return ["--config", "debug_2d", f"--training.steps={STEPS}", "--training.seq_len=64",
             f"--job.output_dir={out}", f"--job.name={name}", "--checkpoint.enable=true",
-            "--checkpoint.interval=6", *overrides]
+            f"--checkpoint.interval={HALF}", *overrides]
 
 
 def losses(out, name, first=1) -> torch.Tensor:
@@ -59,20 +60,20 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(out):
-    """dp 2 x tp 2, 12 steps, saving at 6 and 12 in the background (async), Hugging Face
+    """dp 2 x tp 2, 8 steps, saving at 4 and 8 in the background (async), Hugging Face
     folders too (the resumed runs export none: their losses show the export changes nothing)."""
-    train(out, "whole", *DP2_TP2, "--checkpoint.async_save=true", "--checkpoint.export_hf_interval=6")
+    train(out, "whole", *DP2_TP2, "--checkpoint.async_save=true", f"--checkpoint.export_hf_interval={HALF}")
     return losses(out, "whole")
 
 
 @pytest.mark.slow
 def test_killed_after_a_save_then_rerun_continues_bitwise(out, uninterrupted):
-    crash(out, "resumed", "after-save", 6, *DP2_TP2)
-    assert steps_saved(out, "resumed") == [6]
+    crash(out, "resumed", "after-save", HALF, *DP2_TP2)
+    assert steps_saved(out, "resumed") == [HALF]
     proc = train(out, "resumed", *DP2_TP2)  # the same command again
-    assert "resumed at step 6" in proc.stdout
+    assert f"resumed at step {HALF}" in proc.stdout
     assert torch.equal(losses(out, "resumed"), uninterrupted)
-    assert steps_saved(out, "resumed") == [6, 12]
+    assert steps_saved(out, "resumed") == [HALF, STEPS]
 
 
 @pytest.mark.slow
@@ -81,40 +82,40 @@ def test_hugging_face_folders_gathered_from_dp2_tp2_shards_give_that_steps_logit
     from tests.test_hf_export_during_training import assert_transformers_gives_the_logits_of
 
     hf = out / "whole" / "hf"
-    assert sorted(p.name for p in hf.iterdir()) == ["step-00000006", "step-00000012"]  # nothing half-written
-    for step in ("step-00000006", "step-00000012"):
+    assert sorted(p.name for p in hf.iterdir()) == ["step-00000004", "step-00000008"]  # nothing half-written
+    for step in ("step-00000004", "step-00000008"):
         assert_transformers_gives_the_logits_of(hf / step, out / "whole" / "checkpoint" / step)
 
 
 @pytest.mark.slow
 def test_pipeline_run_killed_mid_save_resumes_from_the_previous_checkpoint_bitwise(out):
-    keep = ("--checkpoint.interval=3", "--checkpoint.keep_latest_k=2")
-    crash(out, "pp_killed", "mid-save", 12, *PP2_DP2, *keep)
-    # Step 12's loss is logged before its save, so the killed job's log is already the whole
+    keep = ("--checkpoint.interval=2", "--checkpoint.keep_latest_k=2")
+    crash(out, "pp_killed", "mid-save", 8, *PP2_DP2, *keep)
+    # Step 8's loss is logged before its save, so the killed job's log is already the whole
     # uninterrupted run (losses() checks each step is there once): the rerun must match it.
     whole = losses(out, "pp_killed")
     folder = out / "pp_killed" / "checkpoint"
-    assert (folder / "step-00000012.tmp").is_dir()  # rank 1's shard got written ...
-    assert not (folder / "step-00000012.tmp" / ".metadata").exists()  # ... the save never finished
-    assert steps_saved(out, "pp_killed") == [6, 9]  # nothing older was damaged; step 3 pruned
+    assert (folder / "step-00000008.tmp").is_dir()  # rank 1's shard got written ...
+    assert not (folder / "step-00000008.tmp" / ".metadata").exists()  # ... the save never finished
+    assert steps_saved(out, "pp_killed") == [4, 6]  # nothing older was damaged; step 2 pruned
     proc = train(out, "pp_killed", *PP2_DP2, *keep)
-    assert "resumed at step 9" in proc.stdout
+    assert "resumed at step 6" in proc.stdout
     assert torch.equal(losses(out, "pp_killed"), whole)
-    assert steps_saved(out, "pp_killed") == [9, 12]  # step 6 pruned
-    assert not (folder / "step-00000012.tmp").exists()
+    assert steps_saved(out, "pp_killed") == [6, 8]  # step 4 pruned
+    assert not (folder / "step-00000008.tmp").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout", [("fsdp4", ("--parallelism.dp_shard=4", "--parallelism.tp=1")),
                                          ("pp2_dp2", PP2_DP2)])
 def test_checkpoint_of_dp2_tp2_resumes_under_another_layout(out, uninterrupted, name, layout):
-    src = out / "whole" / "checkpoint" / "step-00000006"
-    dst = out / f"reshard_{name}" / "checkpoint" / "step-00000006"
+    src = out / "whole" / "checkpoint" / f"step-{HALF:08d}"
+    dst = out / f"reshard_{name}" / "checkpoint" / f"step-{HALF:08d}"
     shutil.copytree(src, dst)
     proc = train(out, f"reshard_{name}", *layout)
-    assert "resumed at step 6" in proc.stdout
-    got = losses(out, f"reshard_{name}", first=7)
-    torch.testing.assert_close(got, uninterrupted[6:], rtol=1e-4, atol=0)
+    assert f"resumed at step {HALF}" in proc.stdout
+    got = losses(out, f"reshard_{name}", first=HALF + 1)
+    torch.testing.assert_close(got, uninterrupted[HALF:], rtol=1e-4, atol=0)
 
 
 def _train_cli(*argv):
@@ -124,8 +125,8 @@ def _train_cli(*argv):
 
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_with_the_difference(out, uninterrupted):
-    shutil.copytree(out / "whole" / "checkpoint" / "step-00000006",
-                    out / "other" / "checkpoint" / "step-00000006")
+    shutil.copytree(out / "whole" / "checkpoint" / f"step-{HALF:08d}",
+                    out / "other" / "checkpoint" / f"step-{HALF:08d}")
     proc = _train_cli(*args(out, "other", "--parallelism.dp_shard=1", "--parallelism.tp=1",
                            "--model.vocab_size=384"))
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -181,15 +182,15 @@ def test_a_missing_hugging_face_folder_is_a_config_error(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_of_another_experiment_is_refused_unless_told_to_resume(out, uninterrupted):
-    shutil.copytree(out / "whole" / "checkpoint" / "step-00000006",
-                    out / "differs" / "checkpoint" / "step-00000006")
+    shutil.copytree(out / "whole" / "checkpoint" / f"step-{HALF:08d}",
+                    out / "differs" / "checkpoint" / f"step-{HALF:08d}")
     one = ("--parallelism.dp_shard=1", "--parallelism.tp=1")  # a new layout is fine ...
     proc = _train_cli(*args(out, "differs", *one, "--optimizer.lr=0.5"))  # ... another lr is not
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "was written by a run with another config ([optimizer] lr: 0.001 then, 0.5 now)" in proc.stderr
     proc = _train_cli(*args(out, "differs", *one, "--optimizer.lr=0.5", "--checkpoint.if_config_differs=resume"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed at step 6" in proc.stdout
+    assert f"resumed at step {HALF}" in proc.stdout
 
 
 def test_a_key_the_schema_gained_or_lost_since_the_save_is_no_difference():
@@ -209,18 +210,18 @@ def test_a_key_the_schema_gained_or_lost_since_the_save_is_no_difference():
 @pytest.mark.slow
 def test_muon_state_resumes_bitwise_and_under_another_layout(out):
     """[optimizer] name = "Muon": its momentum (sharded like the weights) and AdamW's moments
-    are saved and loaded with DCP; a copy of step 6 resumes under dp 2 x tp 2 bitwise and
+    are saved and loaded with DCP; a copy of step 4 resumes under dp 2 x tp 2 bitwise and
     under fsdp 2 on 2 ranks within rounding (another layout sums in another order)."""
     muon = "--optimizer.name=Muon"
     train(out, "muon_whole", *DP2_TP2, muon)
     whole = losses(out, "muon_whole")
     for name, layout, nproc in (("muon_resumed", DP2_TP2, 4),
                                 ("muon_fsdp2", ("--parallelism.dp_shard=2", "--parallelism.tp=1"), 2)):
-        shutil.copytree(out / "muon_whole" / "checkpoint" / "step-00000006",
-                        out / name / "checkpoint" / "step-00000006")
-        assert "resumed at step 6" in train(out, name, *layout, muon, nproc=nproc).stdout
-    assert torch.equal(losses(out, "muon_resumed", first=7), whole[6:])
-    torch.testing.assert_close(losses(out, "muon_fsdp2", first=7), whole[6:], rtol=1e-4, atol=0)
+        shutil.copytree(out / "muon_whole" / "checkpoint" / f"step-{HALF:08d}",
+                        out / name / "checkpoint" / f"step-{HALF:08d}")
+        assert f"resumed at step {HALF}" in train(out, name, *layout, muon, nproc=nproc).stdout
+    assert torch.equal(losses(out, "muon_resumed", first=HALF + 1), whole[HALF:])
+    torch.testing.assert_close(losses(out, "muon_fsdp2", first=HALF + 1), whole[HALF:], rtol=1e-4, atol=0)
 
 
 @pytest.mark.slow
