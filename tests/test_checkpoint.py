@@ -12,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, one_process, torchrun
-from meshtrain.training.checkpoint import complete_checkpoints
+from meshtrain.training.checkpoint import complete_checkpoints, step_dir
 
 STEPS = 8
 HALF = STEPS // 2  # the checkpoint the resumed runs start from
@@ -82,35 +82,36 @@ def test_hugging_face_folders_gathered_from_dp2_tp2_shards_give_that_steps_logit
     from tests.test_hf_export_during_training import assert_transformers_gives_the_logits_of
 
     hf = out / "whole" / "hf"
-    assert sorted(p.name for p in hf.iterdir()) == ["step-00000004", "step-00000008"]  # nothing half-written
-    for step in ("step-00000004", "step-00000008"):
-        assert_transformers_gives_the_logits_of(hf / step, out / "whole" / "checkpoint" / step)
+    assert sorted(hf.iterdir()) == [step_dir(hf, HALF), step_dir(hf, STEPS)]  # nothing half-written
+    for step in (HALF, STEPS):
+        assert_transformers_gives_the_logits_of(step_dir(hf, step), step_dir(out / "whole" / "checkpoint", step))
 
 
 @pytest.mark.slow
 def test_pipeline_run_killed_mid_save_resumes_from_the_previous_checkpoint_bitwise(out):
     keep = ("--checkpoint.interval=2", "--checkpoint.keep_latest_k=2")
-    crash(out, "pp_killed", "mid-save", 8, *PP2_DP2, *keep)
-    # Step 8's loss is logged before its save, so the killed job's log is already the whole
+    crash(out, "pp_killed", "mid-save", STEPS, *PP2_DP2, *keep)
+    # The last step's loss is logged before its save, so the killed job's log is already the whole
     # uninterrupted run (losses() checks each step is there once): the rerun must match it.
     whole = losses(out, "pp_killed")
     folder = out / "pp_killed" / "checkpoint"
-    assert (folder / "step-00000008.tmp").is_dir()  # rank 1's shard got written ...
-    assert not (folder / "step-00000008.tmp" / ".metadata").exists()  # ... the save never finished
+    partial = step_dir(folder, STEPS).with_suffix(".tmp")
+    assert partial.is_dir()  # rank 1's shard got written ...
+    assert not (partial / ".metadata").exists()  # ... the save never finished
     assert steps_saved(out, "pp_killed") == [4, 6]  # nothing older was damaged; step 2 pruned
     proc = train(out, "pp_killed", *PP2_DP2, *keep)
     assert "resumed at step 6" in proc.stdout
     assert torch.equal(losses(out, "pp_killed"), whole)
     assert steps_saved(out, "pp_killed") == [6, 8]  # step 4 pruned
-    assert not (folder / "step-00000008.tmp").exists()
+    assert not partial.exists()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout", [("fsdp4", ("--parallelism.dp_shard=4", "--parallelism.tp=1")),
                                          ("pp2_dp2", PP2_DP2)])
 def test_checkpoint_of_dp2_tp2_resumes_under_another_layout(out, uninterrupted, name, layout):
-    src = out / "whole" / "checkpoint" / f"step-{HALF:08d}"
-    dst = out / f"reshard_{name}" / "checkpoint" / f"step-{HALF:08d}"
+    src = step_dir(out / "whole" / "checkpoint", HALF)
+    dst = step_dir(out / f"reshard_{name}" / "checkpoint", HALF)
     shutil.copytree(src, dst)
     proc = train(out, f"reshard_{name}", *layout)
     assert f"resumed at step {HALF}" in proc.stdout
@@ -125,8 +126,8 @@ def _train_cli(*argv):
 
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_with_the_difference(out, uninterrupted):
-    shutil.copytree(out / "whole" / "checkpoint" / f"step-{HALF:08d}",
-                    out / "other" / "checkpoint" / f"step-{HALF:08d}")
+    shutil.copytree(step_dir(out / "whole" / "checkpoint", HALF),
+                    step_dir(out / "other" / "checkpoint", HALF))
     proc = _train_cli(*args(out, "other", "--parallelism.dp_shard=1", "--parallelism.tp=1",
                            "--model.vocab_size=384"))
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -182,8 +183,8 @@ def test_a_missing_hugging_face_folder_is_a_config_error(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_of_another_experiment_is_refused_unless_told_to_resume(out, uninterrupted):
-    shutil.copytree(out / "whole" / "checkpoint" / f"step-{HALF:08d}",
-                    out / "differs" / "checkpoint" / f"step-{HALF:08d}")
+    shutil.copytree(step_dir(out / "whole" / "checkpoint", HALF),
+                    step_dir(out / "differs" / "checkpoint", HALF))
     one = ("--parallelism.dp_shard=1", "--parallelism.tp=1")  # a new layout is fine ...
     proc = _train_cli(*args(out, "differs", *one, "--optimizer.lr=0.5"))  # ... another lr is not
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -217,8 +218,8 @@ def test_muon_state_resumes_bitwise_and_under_another_layout(out):
     whole = losses(out, "muon_whole")
     for name, layout, nproc in (("muon_resumed", DP2_TP2, 4),
                                 ("muon_fsdp2", ("--parallelism.dp_shard=2", "--parallelism.tp=1"), 2)):
-        shutil.copytree(out / "muon_whole" / "checkpoint" / f"step-{HALF:08d}",
-                        out / name / "checkpoint" / f"step-{HALF:08d}")
+        shutil.copytree(step_dir(out / "muon_whole" / "checkpoint", HALF),
+                        step_dir(out / name / "checkpoint", HALF))
         assert f"resumed at step {HALF}" in train(out, name, *layout, muon, nproc=nproc).stdout
     assert torch.equal(losses(out, "muon_resumed", first=HALF + 1), whole[HALF:])
     torch.testing.assert_close(losses(out, "muon_fsdp2", first=HALF + 1), whole[HALF:], rtol=1e-4, atol=0)
