@@ -17,12 +17,11 @@ Median milliseconds after warm-up, one row per shape.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.kernel_speeds import timed
 from meshtrain.models.moe.experts import looped_linear
 
 # (tokens, dim, expert hidden, experts, top_k): the debug flavor's layer, then wider ones with
@@ -48,20 +47,6 @@ def padded_linear(x, w, counts):
 
 def experts(linear, x, w1, w2, w3, counts):
     return linear(F.silu(linear(x, w1, counts)) * linear(x, w3, counts), w2, counts)
-
-
-def timed(fn, device, repeats):
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # A Qwen3-30B-A3B layer (128 experts of 768, top 8, dim 2048) on 8192 tokens: GPU only.

@@ -213,14 +213,14 @@ def test_muon_state_resumes_bitwise_and_under_another_layout(out):
     """[optimizer] name = "Muon": its momentum (sharded like the weights) and AdamW's moments
     are saved and loaded with DCP; a copy of step 4 resumes under dp 2 x tp 2 bitwise and
     under fsdp 2 on 2 ranks within rounding (another layout sums in another order)."""
-    muon = "--optimizer.name=Muon"
-    train(out, "muon_whole", *DP2_TP2, muon)
+    muon = ("--optimizer.name=Muon", "--model.dim=64", "--model.ffn_hidden=128")  # tests/workers/parity.py's MUON
+    train(out, "muon_whole", *DP2_TP2, *muon)
     whole = losses(out, "muon_whole")
     for name, layout, nproc in (("muon_resumed", DP2_TP2, 4),
                                 ("muon_fsdp2", ("--parallelism.dp_shard=2", "--parallelism.tp=1"), 2)):
         shutil.copytree(step_dir(out / "muon_whole" / "checkpoint", HALF),
                         step_dir(out / name / "checkpoint", HALF))
-        assert f"resumed at step {HALF}" in train(out, name, *layout, muon, nproc=nproc).stdout
+        assert f"resumed at step {HALF}" in train(out, name, *layout, *muon, nproc=nproc).stdout
     assert torch.equal(losses(out, "muon_resumed", first=HALF + 1), whole[HALF:])
     torch.testing.assert_close(losses(out, "muon_fsdp2", first=HALF + 1), whole[HALF:], rtol=1e-4, atol=0)
 

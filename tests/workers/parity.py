@@ -28,6 +28,11 @@ from meshtrain.training.step import train_step
 STEPS, BATCH, SEQ, LR, MAX_NORM = 8, 8, 32, 1e-3, 0.1
 BETAS, WEIGHT_DECAY, WARMUP, MIN_LR_RATIO = (0.9, 0.95), 0.1, 2, 0.1
 
+# Muon's layouts train the debug model at half its width (dim 64, the same layers and heads):
+# torch.optim.Muon's Newton-Schulz runs in bf16, which a CPU without bf16 matmul instructions
+# runs ~50x slower than fp32 -- 8x less of it here, in every rank and in the reference.
+MUON = dict(optimizer="Muon", dim=64, ffn_hidden=128)  # GPT-2 below: its FFN is 4 x dim
+
 # name -> (ParallelDims kwargs, sharding strategy, model overrides; family="gpt2" picks GPT-2)
 LAYOUTS = {
     "fsdp4": (dict(dp_shard=4), "FULL_SHARD", {}),
@@ -55,10 +60,10 @@ LAYOUTS = {
     "moe_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="moe")),
     "moe_sigmoid_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(family="moe", score_func="sigmoid", route_scale=2.5)),
     # [optimizer] name = "Muon": each hidden matrix whole on one rank of its shard group.
-    "muon_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(optimizer="Muon")),
-    "muon_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(optimizer="Muon")),
-    "muon_hsdp2x2": (dict(dp_replicate=2, dp_shard=2), "HYBRID_SHARD", dict(optimizer="Muon")),
-    "muon_gpt2_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="gpt2", optimizer="Muon")),
+    "muon_fsdp4": (dict(dp_shard=4), "FULL_SHARD", MUON),
+    "muon_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", MUON),
+    "muon_hsdp2x2": (dict(dp_replicate=2, dp_shard=2), "HYBRID_SHARD", MUON),
+    "muon_gpt2_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(family="gpt2", optimizer="Muon", dim=64)),
     # Expert parallelism: experts split over ep ranks borrowed from dp_shard, tokens sent to
     # them and back by all-to-all; the experts' FSDP shards over dp_shard / ep (2, then 1).
     "moe_ep2_fsdp4": (dict(dp_shard=4, ep=2), "FULL_SHARD", dict(family="moe")),
@@ -104,8 +109,8 @@ PP_LAYOUTS = {
     "moe_pp2_ep2": (dict(pp=2, dp_shard=2, ep=2), "1F1B", dict(micro=2, model=dict(family="moe"))),
     "gpt2_pp2_zbv": (dict(pp=2, dp_shard=1), "ZBVZeroBubble", dict(per_rank=2, micro=4,
                                                                     model=dict(family="gpt2"))),
-    "muon_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=dict(optimizer="Muon"))),
-    "muon_pp2_dp2_tp2": (dict(pp=2, dp_shard=2, tp=2), "1F1B", dict(micro=2, model=dict(optimizer="Muon"))),
+    "muon_pp2_dp2": (dict(pp=2, dp_shard=2), "1F1B", dict(micro=2, model=MUON)),
+    "muon_pp2_dp2_tp2": (dict(pp=2, dp_shard=2, tp=2), "1F1B", dict(micro=2, model=MUON)),
     "chunked_loss_pp2_tp2": (dict(pp=2, tp=2, dp_shard=1), "1F1B", dict(micro=2, model=dict(chunked_loss=256 * 11))),
 }
 
