@@ -12,6 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, one_process, torchrun
+from tests.workers.parity import MUON
 from meshtrain.training.checkpoint import complete_checkpoints, step_dir
 
 STEPS = 8
@@ -213,7 +214,7 @@ def test_muon_state_resumes_bitwise_and_under_another_layout(out):
     """[optimizer] name = "Muon": its momentum (sharded like the weights) and AdamW's moments
     are saved and loaded with DCP; a copy of step 4 resumes under dp 2 x tp 2 bitwise and
     under fsdp 2 on 2 ranks within rounding (another layout sums in another order)."""
-    muon = ("--optimizer.name=Muon", "--model.dim=64", "--model.ffn_hidden=128")  # tests/workers/parity.py's MUON
+    muon = [f"--{'optimizer.name' if key == 'optimizer' else 'model.' + key}={value}" for key, value in MUON.items()]
     train(out, "muon_whole", *DP2_TP2, *muon)
     whole = losses(out, "muon_whole")
     for name, layout, nproc in (("muon_resumed", DP2_TP2, 4),
