@@ -57,25 +57,31 @@ def one_process(script: str, *args: str, timeout: int = 300):
 
 
 def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:
-    """One torchrun job of ``worker`` trains every named layout in turn (one start-up, not
-    one per layout) and saves each result as OUT/NAME.pt; returns them by name."""
+    """One job of ``worker`` trains every named layout in turn (one start-up, not one per
+    layout) and saves each result as OUT/NAME.pt; returns them by name. Its ranks are
+    forked (tests/forked_ranks.py): what they compute is the proof, not the launcher."""
     import torch
 
+    from tests.forked_ranks import forked_ranks
+
     names = list(names)
-    proc = torchrun(worker, str(out), *names, nproc=nproc, timeout=600)
+    proc = forked_ranks(worker, str(out), *names, nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: torch.load(out / f"{name}.pt") for name in names}
 
 
 def recipe_runs(out: Path, runs: dict, nproc: int) -> dict:
-    """One torchrun job of tests/workers/recipe_runs.py trains each named `train.py` command
-    line in ``runs`` in turn (one start-up, not one per run); returns each result by name."""
+    """One job of tests/workers/recipe_runs.py trains each named `train.py` command line in
+    ``runs`` in turn (one start-up, not one per run); returns each result by name. Ranks
+    forked, as ``train_layouts``'."""
     import json
 
     import torch
 
+    from tests.forked_ranks import forked_ranks
+
     (out / "runs.json").write_text(json.dumps(runs))
-    proc = torchrun("tests/workers/recipe_runs.py", str(out), str(out / "runs.json"), nproc=nproc, timeout=600)
+    proc = forked_ranks("tests/workers/recipe_runs.py", str(out), str(out / "runs.json"), nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: torch.load(out / f"{name}.pt") for name in runs}
 

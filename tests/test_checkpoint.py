@@ -1,4 +1,4 @@
-"""Checkpoints through train.py with real torchrun jobs, real DCP files and real deaths:
+"""Checkpoints through train.py with real process groups, real DCP files and real deaths:
 a resumed run continues bitwise like an uninterrupted one, a checkpoint loads into other
 layouts, a kill in the middle of a save damages nothing, and bad checkpoints are refused."""
 
@@ -12,6 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, one_process, torchrun
+from tests.forked_ranks import forked_ranks
 from tests.workers.parity import MUON
 from meshtrain.training.checkpoint import complete_checkpoints, step_dir
 
@@ -38,7 +39,7 @@ def losses(out, name, first=1) -> torch.Tensor:
 
 
 def train(out, name, *overrides, nproc=4):
-    proc = torchrun("train.py", *args(out, name, *overrides), nproc=nproc, timeout=300)
+    proc = forked_ranks("train.py", *args(out, name, *overrides), nproc=nproc, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 

@@ -13,7 +13,8 @@ import torch
 
 from meshtrain.parallel.context_parallel import kv_repeats
 from tests import oracle, train_oracle
-from tests.conftest import dry_run_refusal, torchrun
+from tests.conftest import dry_run_refusal
+from tests.forked_ranks import forked_ranks
 
 TRAIN = ["--training.steps=4", "--training.seq_len=64", "--training.global_batch_size=8",
          "--training.max_norm=0.1", "--optimizer.lr=3e-3"]
@@ -53,7 +54,7 @@ def results(tmp_path_factory):
     for nproc in sorted({n for _, n, _ in LAYOUTS.values()}):
         runs = {name: argv(name, root / "out") for name, (_, n, _) in LAYOUTS.items() if n == nproc}
         (root / f"runs{nproc}.json").write_text(json.dumps(runs))
-        proc = torchrun("tests/workers/recipe_runs.py", str(root), str(root / f"runs{nproc}.json"), nproc=nproc,
+        proc = forked_ranks("tests/workers/recipe_runs.py", str(root), str(root / f"runs{nproc}.json"), nproc=nproc,
                         timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         got.update({name: torch.load(root / f"{name}.pt") for name in runs})
@@ -114,7 +115,7 @@ def test_train_py_cp2_tp2_gives_the_one_process_losses(tmp_path):
     from tests.conftest import ROOT
 
     common = ["--config", "debug_2d", "--training.steps=4", "--training.seq_len=64", f"--job.output_dir={tmp_path}"]
-    proc = torchrun("train.py", *common, "--job.name=cp", "--parallelism.cp", "2", "--parallelism.tp", "2",
+    proc = forked_ranks("train.py", *common, "--job.name=cp", "--parallelism.cp", "2", "--parallelism.tp", "2",
                     "--parallelism.dp_shard", "1", nproc=4)
     assert proc.returncode == 0, proc.stderr[-4000:]
     one = subprocess.run([sys.executable, "train.py", *common, "--job.name=one", "--parallelism.tp=1",
@@ -190,7 +191,7 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
 
     common = ["--config", "debug_2d", "--training.steps=6", "--training.seq_len=64", "--checkpoint.enable=true",
               "--checkpoint.interval=2", "--job.name=run", "--parallelism.tp=1", "--parallelism.dp_shard=1"]
-    a = torchrun("train.py", *common, f"--job.output_dir={tmp_path / 'a'}", "--parallelism.cp=2", nproc=2)
+    a = forked_ranks("train.py", *common, f"--job.output_dir={tmp_path / 'a'}", "--parallelism.cp=2", nproc=2)
     assert a.returncode == 0, a.stderr[-4000:]
     want = _losses_printed(a.stdout)
     assert sorted(want) == [1, 2, 3, 4, 5, 6]
@@ -202,7 +203,7 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
                 shutil.rmtree(later)
         args = [*common, f"--job.output_dir={tmp_path / folder}"]
         if launch:
-            return torchrun("train.py", *args, *launch, nproc=2)
+            return forked_ranks("train.py", *args, *launch, nproc=2)
         return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
 

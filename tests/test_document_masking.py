@@ -336,7 +336,7 @@ def test_stream_document_masking_is_off_by_default_for_pretraining_and_on_for_sf
     assert "document_masking = true" in config_to_toml(cfg)
 
 
-# ---------------------------------------------------------------- every layout, one torchrun job
+# ---------------------------------------------------------------- every layout, one job
 
 BASE = ["--training.dataset=sft", "--training.document_masking=true", "--training.steps=1",
         f"--training.seq_len={SEQ_LEN + 1}", "--training.global_batch_size=8", "--training.max_norm=0",
@@ -369,7 +369,7 @@ def layout_argv(root, name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
-    from tests.conftest import torchrun
+    from tests.forked_ranks import forked_ranks
     from tests.hf_configs import write_config
 
     root = tmp_path_factory.mktemp("docmask_layouts")
@@ -378,7 +378,7 @@ def layout_runs(tmp_path_factory):
     write_jsonl(root / "records.jsonl", rows)
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in short_documents(300, seed=2)))
     (root / "runs.json").write_text(json.dumps({name: layout_argv(root, name) for name in LAYOUTS}))
-    proc = torchrun("tests/workers/document_masking_runs.py", str(root), str(root / "runs.json"), nproc=4,
+    proc = forked_ranks("tests/workers/document_masking_runs.py", str(root), str(root / "runs.json"), nproc=4,
                     timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return root, rows, {name: torch.load(root / f"{name}.pt") for name in LAYOUTS}

@@ -2,7 +2,7 @@
 (tests/hf_configs.py), trained through the recipe train.py uses under FSDP x 4, dp 2 x tp 2
 and pp 2 x dp 2, and judged against plain PyTorch running transformers' unmodified class
 in one process (tests/train_oracle.py, tests/oracle.py) with clipping that binds. One
-torchrun job trains every architecture and layout in turn. Then weights in and out:
+job of four processes trains every architecture and layout in turn. Then weights in and out:
 safetensors loaded sharded, a checkpoint exported for transformers.
 
 The architectures, each chosen for what it exercises: Qwen2 (q/k/v biases, tied
@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from tests import oracle, train_oracle
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT
+from tests.forked_ranks import forked_ranks
 from tests.hf_configs import ARCHS, write_config
 
 LAYOUTS = {
@@ -78,7 +79,7 @@ def setup(tmp_path_factory):
         save_pretrained(root / arch)
     runs = {f"{a}_{l}": argv(root, a, l, root / "out") for a, l in RUNS}
     (root / "runs.json").write_text(json.dumps(runs))
-    proc = torchrun("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=900)
+    proc = forked_ranks("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return root, {name: torch.load(root / f"{name}.pt") for name in runs}
 
@@ -163,7 +164,7 @@ def qwen2_run(tmp_path_factory):
     args = ["--config", "hf_debug", f"--model.hf_config={folder}", f"--checkpoint.initial_load_hf={folder}",
             "--training.steps=3", "--training.seq_len=32", "--checkpoint.enable=true", f"--job.output_dir={root}",
             "--job.name=run"]
-    proc = torchrun("train.py", *args, nproc=4)
+    proc = forked_ranks("train.py", *args, nproc=4)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root, folder, plain, args
 

@@ -309,7 +309,7 @@ def test_adapters_follow_their_base_layer_under_tp(sp):
         assert "mlp.up.lora_A.default.weight" not in got["placements"]  # replicated: a plain tensor
 
 
-# ---------------------------------------------------------------- every layout, one torchrun start-up
+# ---------------------------------------------------------------- every layout, one start-up
 
 LAYOUTS = {
     "fsdp4": ["--parallelism.dp_shard=4", "--parallelism.tp=1"],
@@ -323,14 +323,14 @@ TRAIN = ["--training.steps=4", "--training.seq_len=32", "--training.global_batch
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
-    from tests.conftest import torchrun
+    from tests.forked_ranks import forked_ranks
 
     root = tmp_path_factory.mktemp("lora_layouts")
     base, adapter = make_folders(root)
     runs = {name: lora_argv(base, adapter, *TRAIN, *flags, f"--job.output_dir={root / 'out'}", f"--job.name={name}")
             for name, flags in LAYOUTS.items()}
     (root / "runs.json").write_text(json.dumps(runs))
-    proc = torchrun("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
+    proc = forked_ranks("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return root, runs, {name: torch.load(root / f"{name}.pt") for name in runs}
 
@@ -413,13 +413,13 @@ def test_a_lora_checkpoint_resumes_in_another_layout(layout_runs, peft_reference
     re-slices the adapters, their AdamW state and the base): the adapters after step 4 are
     PEFT's after 4 steps in one process."""
     from meshtrain.training.export import model_tensors
-    from tests.conftest import torchrun
+    from tests.forked_ranks import forked_ranks
 
     root, _, _ = layout_runs
     common = lora_argv(root / "base", root / "adapter", *TRAIN, "--checkpoint.enable=true",
                        "--checkpoint.interval=2", f"--job.output_dir={tmp_path}", "--job.name=reshard")
     for flags in (["--training.steps=2", *LAYOUTS["dp2_tp2"]], LAYOUTS["pp2_dp2"]):
-        proc = torchrun("train.py", *common, *flags, nproc=4)
+        proc = forked_ranks("train.py", *common, *flags, nproc=4)
         assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed at step 2" in proc.stdout
     final = dict(model_tensors(tmp_path / "reshard" / "checkpoint" / "step-00000004"))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import torchrun
+from tests.forked_ranks import forked_ranks
 from tests.workers import pp_collectives
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_collectives") / "counts.json"
-    proc = torchrun("tests/workers/pp_collectives.py", str(out), nproc=4, timeout=300)
+    proc = forked_ranks("tests/workers/pp_collectives.py", str(out), nproc=4, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rows = json.loads(out.read_text())
     print("\nstage strategy       micro-batches units all-gathers reduce-scatters")

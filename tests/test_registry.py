@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain.models import registry
 from tests import train_oracle
-from tests.conftest import torchrun
+from tests.forked_ranks import forked_ranks
 from tests.toy_family import FAMILY
 from meshtrain.training.config import ConfigError
 from meshtrain.training.config_loader import load_config
@@ -26,7 +26,7 @@ def args(out, name, *overrides):
 @pytest.mark.slow
 def test_a_family_outside_models_trains_through_train_py_like_plain_pytorch(tmp_path):
     save = ("--checkpoint.enable=true", "--checkpoint.interval=1000", "--checkpoint.last_save_model_only=true")
-    proc = torchrun("tests/workers/toy_train.py", *args(tmp_path, "toy", *save), nproc=4)
+    proc = forked_ranks("tests/workers/toy_train.py", *args(tmp_path, "toy", *save), nproc=4)
     assert proc.returncode == 0, proc.stderr[-4000:]
     header = next(line for line in proc.stdout.splitlines() if line.startswith("meshtrain: DeviceMesh"))
     assert "tp=2" in header  # dp_shard 2 x tp 2: the family's TP plan was applied

@@ -270,7 +270,7 @@ def test_pretraining_labels_count_every_token(tmp_path):
     assert abs(loss - want.item()) <= 1e-6 * want.item()
 
 
-# ---------------------------------------------------------------- every layout, one torchrun job
+# ---------------------------------------------------------------- every layout, one job
 
 SFT_LAYOUTS = {
     "fsdp4": ["--parallelism.dp_shard=4", "--parallelism.tp=1"],
@@ -291,7 +291,7 @@ def sft_argv(root, layout: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory):
-    from tests.conftest import torchrun
+    from tests.forked_ranks import forked_ranks
     from tests.hf_configs import write_config
 
     root = tmp_path_factory.mktemp("sft_layouts")
@@ -299,7 +299,7 @@ def sft_runs(tmp_path_factory):
     rows = records(120, seed=5)
     write_jsonl(root / "records.jsonl", rows)
     (root / "runs.json").write_text(json.dumps({name: sft_argv(root, name) for name in SFT_LAYOUTS}))
-    proc = torchrun("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
+    proc = forked_ranks("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return root, rows, {name: torch.load(root / f"{name}.pt") for name in SFT_LAYOUTS}
 

@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from meshtrain.training import recipe
 from tests import oracle, train_oracle
 from tests.conftest import ROOT, recipe_runs, torchrun
+from tests.forked_ranks import forked_ranks
 from meshtrain.training.config_loader import load_config
 
 
@@ -51,7 +52,7 @@ def _run(tmp_path, name, nproc, *overrides, config="debug_2d"):
         proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     else:
-        proc = torchrun("train.py", *args, nproc=nproc)
+        proc = forked_ranks("train.py", *args, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp_path / name
 
@@ -95,7 +96,7 @@ def test_debug_3d_trains_like_plain_pytorch(tmp_path, reference):
 @pytest.mark.slow
 def test_checkpointing_offload_and_chunked_loss_change_no_number_and_bf16_stays_close(tmp_path, reference):
     # Recomputation, offloading and the chunked loss move work and memory, not numbers. The
-    # runs share one torchrun start-up (tests/workers/recipe_runs.py: train.py's recipe and data).
+    # runs share one start-up (tests/workers/recipe_runs.py: train.py's recipe and data).
     runs = recipe_runs(tmp_path, {
         "ac": _args(tmp_path, "ac", "--activation_checkpoint.mode=full",
                     "--parallelism.sharding_strategy=SHARD_GRAD_OP", "--parallelism.cpu_offload=true"),

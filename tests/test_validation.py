@@ -1,7 +1,7 @@
 """[validation] and `meshtrain evaluate`, judged by things meshtrain did not write.
 
 - The validation loss of six layouts (FSDP, dp x tp with loss_parallel, HSDP with
-  accumulation, cp 2, pp 2 GPipe x dp 2, pp 2 Interleaved1F1B x tp 2), all in one torchrun
+  accumulation, cp 2, pp 2 GPipe x dp 2, pp 2 Interleaved1F1B x tp 2), all in one four-process
   job, equals `F.cross_entropy` of a plain nn.Module holding that run's weights over the
   same held-out batches. Plants this catches (each run once by hand): the per-rank means
   summed over dp instead of averaged; the cp ranks' means left un-averaged; the validation
@@ -16,7 +16,7 @@
 - On fine-tuning records (dataset = "sft", a held-out split of whole records) the
   validation loss is the mean over the counted (response) tokens of all its batches:
   it equals transformers' own *ForCausalLM given the held-out sequences with -100 labels,
-  in one process (fast) and in four layouts of the same torchrun job (FSDP with
+  in one process (fast) and in four layouts of the same job (FSDP with
   accumulation, dp x tp, a 1F1B pipeline, cp 2), and a mean of per-sequence or per-batch
   means is another number on that data. No held-out record is ever in a training batch.
 
@@ -44,7 +44,8 @@ from meshtrain.training.config_loader import load_config, parse_args
 from meshtrain.training.data import DataLoader, build_dataloader, build_tokenizer, held_out_range, load_tokens
 from meshtrain.training.evaluate import checkpoint_folder, parse_command_line, validation_loader
 from tests import oracle, train_oracle
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT
+from tests.forked_ranks import forked_ranks
 from tests.hf_configs import write_config
 from tests.in_process import ENV_KEYS
 from tests.test_sft import records, reference_labels, write_jsonl
@@ -119,7 +120,7 @@ def layouts(tmp_path_factory):
                                 native=name.endswith("_llama"))
                  for name, flags in SFT_LAYOUTS.items()})
     (root / "runs.json").write_text(json.dumps(runs))
-    proc = torchrun("tests/workers/validation_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=1200)
+    proc = forked_ranks("tests/workers/validation_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: (runs[name], torch.load(root / f"{name}.pt")) for name in runs}
 
@@ -180,7 +181,7 @@ TRAIN = ["--config", "debug_2d", "--training.steps=6", "--training.seq_len=64", 
 
 
 def _train(tmp_path, name, *flags):
-    proc = torchrun("train.py", *TRAIN, f"--job.output_dir={tmp_path}", f"--job.name={name}", *flags, nproc=2)
+    proc = forked_ranks("train.py", *TRAIN, f"--job.output_dir={tmp_path}", f"--job.name={name}", *flags, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
 

@@ -1,0 +1,124 @@
+"""A multi-process job whose ranks are forked from a process that has already imported
+torch, instead of started by torchrun as fresh interpreters.
+
+Each torchrun rank spends about 5 CPU-seconds importing torch (torch._dynamo included,
+which FSDP2 and the meta-device initialisation pull in) before it does any work; the
+launcher itself imports torch too. On the 2-core CI machine that was a third of the suite.
+Here one forkserver per pytest worker (multiprocessing's, started on first use) imports
+torch and meshtrain once; every rank is a fork of it. The process group is the same one
+torchrun's ranks build: gloo over a TCPStore, which this process hosts as torchrun's agent
+does (TORCHELASTIC_USE_AGENT_STORE), so no port is picked and handed over.
+
+What this is not: torchrun. Tests of what the launcher does -- restarts, signals, a rank
+killed, the report of a failed job, the command line a user types -- use the real one
+(tests/conftest.py `torchrun`). Jobs here are ones whose proof is what the ranks compute.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# What every rank imports anyway; imported once in the forkserver (a module that fails to
+# import there is skipped by multiprocessing and imported by the rank as before).
+PRELOAD = ["tests.forked_ranks_preload"]
+_context = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _rank_main(script: str, args: list[str], env: dict, out: str, err: str) -> None:
+    """One rank: torchrun's environment, its output to its own two files, the
+    script run as __main__ with its own argv (exit code: SystemExit's, 1 for an exception,
+    whose traceback multiprocessing prints to the job's stderr)."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        handle = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.dup2(handle, fd)
+        os.close(handle)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.chdir(ROOT)
+    sys.argv = [script, *args]
+    sys.path.insert(0, str((ROOT / script).parent))
+    try:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    finally:  # a forked process leaves by os._exit: run what an interpreter runs at exit (run_lock's release)
+        atexit._run_exitfuncs()
+
+
+def forked_ranks(script: str, *args: str, nproc: int = 4, timeout: int = 300,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """``script`` on ``nproc`` forked ranks; a CompletedProcess as subprocess.run returns
+    it (every rank's stdout, then stderr, one rank after another: writes of ranks appending
+    to one file can land inside each other's lines). The job fails
+    (exit 1) as torchrun's does when a rank fails: the others are stopped, as torchrun stops
+    them. Raises subprocess.TimeoutExpired after ``timeout`` seconds, the ranks killed."""
+    import torch.distributed as dist
+
+    ctx = _forkserver()
+    store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
+    base = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {}),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "forked", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = [os.path.join(tmp, f"stdout{rank}") for rank in range(nproc)]
+        err = [os.path.join(tmp, f"stderr{rank}") for rank in range(nproc)]
+        ranks = []
+        for rank in range(nproc):
+            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            proc = ctx.Process(target=_rank_main, args=(script, list(args), rank_env, out[rank], err[rank]))
+            proc.start()
+            ranks.append(proc)
+        deadline, code = time.monotonic() + timeout, 0
+        try:
+            while any(p.exitcode is None for p in ranks):
+                if time.monotonic() > deadline:
+                    _stop(ranks)
+                    raise subprocess.TimeoutExpired(script, timeout, _read(out), _read(err))
+                if any(p.exitcode not in (None, 0) for p in ranks):
+                    code = 1
+                    _stop(ranks)
+                    break
+                multiprocessing.connection.wait([p.sentinel for p in ranks if p.exitcode is None], 0.2)
+        finally:
+            _stop(ranks)
+        if any(p.exitcode != 0 for p in ranks):
+            code = 1
+        return subprocess.CompletedProcess([script, *args], code, _read(out), _read(err))
+
+
+def _stop(ranks, grace: float = 10.0) -> None:
+    """SIGTERM the ranks still running, SIGKILL those still there after ``grace`` seconds."""
+    for p in ranks:
+        if p.exitcode is None:
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in ranks:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def _read(paths: list[str]) -> str:
+    return "".join(Path(p).read_text(errors="replace") for p in paths if os.path.exists(p))
