@@ -10,8 +10,12 @@ import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.pipelining  # noqa: F401
 import torch.distributed.tensor.parallel  # noqa: F401
-import torchao.float8  # noqa: F401
-import transformers.modeling_utils  # noqa: F401
 
 from meshtrain import train  # noqa: F401
 from meshtrain.training import recipe  # noqa: F401
+
+try:  # extras ("meshtrain[hf]", "meshtrain[float8]"): the ranks that use them import them
+    import torchao.float8  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+except ImportError:
+    pass
