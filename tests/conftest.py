@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_ranks import forked_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # One OpenMP thread for torch in the test process and in the processes it starts (torchrun
@@ -62,15 +64,13 @@ def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:
     forked (tests/forked_ranks.py): what they compute is the proof, not the launcher."""
     import torch
 
-    from tests.forked_ranks import forked_ranks
-
     names = list(names)
     proc = forked_ranks(worker, str(out), *names, nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: torch.load(out / f"{name}.pt") for name in names}
 
 
-def recipe_runs(out: Path, runs: dict, nproc: int) -> dict:
+def recipe_runs(out: Path, runs: dict, nproc: int, timeout: int = 600) -> dict:
     """One job of tests/workers/recipe_runs.py trains each named `train.py` command line in
     ``runs`` in turn (one start-up, not one per run); returns each result by name. Ranks
     forked, as ``train_layouts``'."""
@@ -78,10 +78,8 @@ def recipe_runs(out: Path, runs: dict, nproc: int) -> dict:
 
     import torch
 
-    from tests.forked_ranks import forked_ranks
-
     (out / "runs.json").write_text(json.dumps(runs))
-    proc = forked_ranks("tests/workers/recipe_runs.py", str(out), str(out / "runs.json"), nproc=nproc, timeout=600)
+    proc = forked_ranks("tests/workers/recipe_runs.py", str(out), str(out / "runs.json"), nproc=nproc, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: torch.load(out / f"{name}.pt") for name in runs}
 

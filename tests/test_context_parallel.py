@@ -5,15 +5,13 @@ process group; and the all-to-all bytes the dry run counts match the closed form
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
-import torch
 
 from meshtrain.parallel.context_parallel import kv_repeats
 from tests import oracle, train_oracle
-from tests.conftest import dry_run_refusal
+from tests.conftest import dry_run_refusal, recipe_runs
 from tests.forked_ranks import forked_ranks
 
 TRAIN = ["--training.steps=4", "--training.seq_len=64", "--training.global_batch_size=8",
@@ -53,11 +51,7 @@ def results(tmp_path_factory):
     got = {}
     for nproc in sorted({n for _, n, _ in LAYOUTS.values()}):
         runs = {name: argv(name, root / "out") for name, (_, n, _) in LAYOUTS.items() if n == nproc}
-        (root / f"runs{nproc}.json").write_text(json.dumps(runs))
-        proc = forked_ranks("tests/workers/recipe_runs.py", str(root), str(root / f"runs{nproc}.json"), nproc=nproc,
-                        timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        got.update({name: torch.load(root / f"{name}.pt") for name in runs})
+        got.update(recipe_runs(root, runs, nproc=nproc, timeout=900))
     return got
 
 

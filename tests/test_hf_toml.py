@@ -19,7 +19,6 @@ judged against the unmodified class from_pretrained loads, in gradients too."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -27,7 +26,7 @@ import pytest
 import torch
 
 from tests import oracle, train_oracle
-from tests.conftest import ROOT
+from tests.conftest import ROOT, recipe_runs
 from tests.forked_ranks import forked_ranks
 from tests.hf_configs import ARCHS, write_config
 
@@ -78,10 +77,7 @@ def setup(tmp_path_factory):
     for arch in FROM_SAVED:
         save_pretrained(root / arch)
     runs = {f"{a}_{l}": argv(root, a, l, root / "out") for a, l in RUNS}
-    (root / "runs.json").write_text(json.dumps(runs))
-    proc = forked_ranks("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return root, {name: torch.load(root / f"{name}.pt") for name in runs}
+    return root, recipe_runs(root, runs, nproc=4, timeout=900)
 
 
 @pytest.fixture(scope="module")

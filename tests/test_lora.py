@@ -323,16 +323,13 @@ TRAIN = ["--training.steps=4", "--training.seq_len=32", "--training.global_batch
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
-    from tests.forked_ranks import forked_ranks
+    from tests.conftest import recipe_runs
 
     root = tmp_path_factory.mktemp("lora_layouts")
     base, adapter = make_folders(root)
     runs = {name: lora_argv(base, adapter, *TRAIN, *flags, f"--job.output_dir={root / 'out'}", f"--job.name={name}")
             for name, flags in LAYOUTS.items()}
-    (root / "runs.json").write_text(json.dumps(runs))
-    proc = forked_ranks("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return root, runs, {name: torch.load(root / f"{name}.pt") for name in runs}
+    return root, runs, recipe_runs(root, runs, nproc=4)
 
 
 def peft_training(argv) -> dict:

@@ -291,17 +291,14 @@ def sft_argv(root, layout: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory):
-    from tests.forked_ranks import forked_ranks
+    from tests.conftest import recipe_runs
     from tests.hf_configs import write_config
 
     root = tmp_path_factory.mktemp("sft_layouts")
     write_config(root / "qwen2", "qwen2")
     rows = records(120, seed=5)
     write_jsonl(root / "records.jsonl", rows)
-    (root / "runs.json").write_text(json.dumps({name: sft_argv(root, name) for name in SFT_LAYOUTS}))
-    proc = forked_ranks("tests/workers/recipe_runs.py", str(root), str(root / "runs.json"), nproc=4, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return root, rows, {name: torch.load(root / f"{name}.pt") for name in SFT_LAYOUTS}
+    return root, rows, recipe_runs(root, {name: sft_argv(root, name) for name in SFT_LAYOUTS}, nproc=4)
 
 
 @pytest.fixture(scope="module")
