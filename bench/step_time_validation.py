@@ -9,8 +9,8 @@ of the planner was set from (docs/planning.md, "Held-out points"); it is printed
 Each row is a run whose settings its source states (docs/planning.md, "Validation", names
 the sources and what they leave unstated), estimated with planning.estimate.estimate exactly
 as the search would, and printed beside the measured tokens/s per GPU with the error.
-The estimate is not fitted to these rows: the kernel speeds come from physics/gpus.py
-(a measured matmul and copy bandwidth, the published flash-attention efficiency).
+The estimate is not fitted to these rows: the kernel speeds come from physics/gpus.py and
+physics/kernels/ (matmuls by shape, attention by length and the copy bandwidth, measured).
 """
 
 from __future__ import annotations
@@ -183,7 +183,10 @@ KEMPNERFORGE_BATCH = {"7B": (4, 2), "13B": (4, 4), "70B": (2, 4)}  # local batch
 # `attn_impl: triton` (submit_benchmarks.py's default, and the pretrain yamls'): llm-foundry
 # v0.3.0's copy of the 2022 FlashAttention written in Triton, built by triton-pre-mlir (its
 # setup.py), which issues Ampere-generation mma instructions on an H100; not the kernel the
-# planner times (SDPA's flash backend, FlashAttention-2 class). Columns: model, sequence,
+# planner times (torch's SDPA, measured by length in physics/kernels/: 22-55% of the peak).
+# No H100 speed of it is published; it is older than FlashAttention-2, which outruns it, so
+# it is estimated at FlashAttention-2's published H100 speed (35%, physics/gpus.py): an upper
+# bound, set from that paper, not from these rows. Columns: model, sequence,
 # GPUs, MFU %, micro-batch, accumulation steps, global batch (sequences), tok/s per GPU (as
 # published), activation checkpointing (every block), parameters (as published).
 MOSAIC_URL = ("https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/"
@@ -318,7 +321,8 @@ def held_out() -> list[dict]:
         assert batch == mb * accum * gpus
         # llm-foundry's default loss is flash-attn's fused cross-entropy (inplace_backward off):
         # the bf16 logits kept and a bf16 gradient made, as meshtrain's [training] chunked_loss.
-        job = Job(mpt_model(size, seq), H100, gpus // 8, 8, seq, batch, compiled=False, chunked_loss=True)
+        job = Job(mpt_model(size, seq), H100, gpus // 8, 8, seq, batch, compiled=False, chunked_loss=True,
+                  attention_efficiency=H100.attention_efficiency)
         lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=gpus, world_size=gpus, strategy="FULL_SHARD",
                            ac="full" if ac else "none", micro_batch=mb)
         rows.append(dict(source=f"llm-foundry MPT-{size}, {gpus} GPUs, seq {seq:,}", url=MOSAIC_URL,
@@ -384,8 +388,8 @@ ATTENTION_BANDS = (0.10, 0.30)  # attention's share of the estimated step: under
 
 def by_attention_share(rows: list[dict]) -> str:
     """The held-out errors grouped by the share of the estimated step that is attention:
-    where the planner's attention kernel is not the one a source ran (llm-foundry's Triton
-    FlashAttention), the error grows with that share."""
+    where a source's attention kernel is slower than the speed it is estimated at (llm-foundry's
+    Triton FlashAttention, at FlashAttention-2's), the error grows with that share."""
     edges = (0.0, *ATTENTION_BANDS, None)
     parts = []
     for lo, hi in zip(edges, edges[1:]):

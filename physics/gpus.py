@@ -35,7 +35,9 @@ Assumptions, each used only to *rank* layouts, never to promise a number:
   (Shah et al. 2024, "FlashAttention-3", abstract: "FlashAttention-2 achieving only 35%
   utilization on the H100 GPU"); the same assumed for H200 (the same compute die) and the
   other Hopper cards; 0.6 on A100 (Dao 2023, "FlashAttention-2": 50-73% of the A100's
-  peak forward, less backward). `bench/kernel_speeds.py` measures all three on a GPU.
+  peak forward, less backward). `bench/kernel_speeds.py` measures all three on a GPU; where
+  physics/kernels/ holds its table, the planner times attention by sequence length from it
+  instead (planning/kernels.py `attention_rate`).
 """
 
 from __future__ import annotations

@@ -11,11 +11,14 @@ speeds, each kept per GPU in physics/gpus.py with where it comes from:
   by planning/matmul.py: measured rates where bench/results has them for the GPU, else a
   roofline whose large-matmul asymptote is `matmul_efficiency` of the bf16 peak (measured
   by bench/gpu_check.py on an 8192^3 matmul), slowed by tile and wave quantization.
-- **attention** (SDPA's flash kernel): forward 4 s^2 d FLOPs per head over the full
-  s x s, halved by the causal mask (the kernel skips masked tiles); backward 2.5 x the
-  forward (five matmuls against two, the convention of the FlashAttention papers'
-  benchmarks). At `attention_efficiency` of the peak: FlashAttention-2, which torch's
-  flash backend runs, reaches 35 % on an H100 (Shah et al. 2024, FlashAttention-3, abstract).
+- **attention** (torch's SDPA): forward 4 s^2 d FLOPs per head over the full s x s,
+  halved by the causal mask (the kernel skips masked tiles); backward 2.5 x the forward
+  (five matmuls against two, the convention of the FlashAttention papers' benchmarks). At
+  the rate `bench.kernel_speeds` measured by sequence length where physics/kernels/ has
+  this GPU (`attention_rate`: on the H100, torch 2.11, 22% of the peak at 1,024 tokens to
+  55% at 16,384), else at `attention_efficiency` of the peak (FlashAttention-2's published
+  35% on an H100: Shah et al. 2024, FlashAttention-3, abstract). `Job.attention_efficiency`
+  names another kernel's speed (the validation's runs of other frameworks).
 - **memory-bound element-wise work** (norms, rotary, SwiGLU / GeLU, residual adds, layout
   copies, the fp32 cross-entropy over the vocabulary): bytes moved at the GPU's measured
   copy bandwidth. Counted per token from the block's ops (`_bytes_per_token`): eager runs
@@ -29,10 +32,15 @@ matmuls by shape (grouped GEMMs at the large-matmul speed), power or clock limit
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
-from meshtrain.planning.matmul import linear_seconds
+from meshtrain.physics.gpus import gpu_of_device
+from meshtrain.planning import matmul
+from meshtrain.planning.matmul import linear_seconds, load_matmul_table
 
 BF16 = 2
 FP32 = 4
@@ -48,12 +56,13 @@ RMS_NORM_EAGER = 40
 # sequence a step: tensorwise 1.16x bf16 tokens/s, rowwise 1.00x): the factor with which
 # the planner's whole step there, its matmuls timed from the measured H100 table
 # (physics/kernels/h100.json), gives 1.16x; rowwise measured no gain. With 8 micro-batches
-# a step the same factor gives 1.175x, against 1.181x measured (2026-11-28, not fitted).
+# a step the same factor gives 1.176x, against 1.181x measured (2026-11-28, not fitted).
+# (1.46 while attention was timed at a flat 35% of the peak rather than by length.)
 # Net of float8's casts: the profile of that step times the block matmuls themselves 1.93x
 # faster (bench/results/2026-11-26_h100_ac_policy_profile.txt).
 # torchao's published end-to-end gains are higher (tensorwise up to 1.25x at 8 GPUs / Llama
 # 3 8B, rowwise 1.12x, torchtitan commit 7a04053): docs/planning.md, Float8.
-FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.46, "rowwise": 1.0}
+FLOAT8_MATMUL_SPEEDUP = {"tensorwise": 1.42, "rowwise": 1.0}
 # The loss's memory traffic per logit, forward and backward, each op reading its inputs
 # once and writing its outputs once (tests/test_chunked_loss.py counts them on the code).
 # F.cross_entropy on the fp32 upcast: the upcast (2 + 4), log-softmax (4 + 4), nll's
@@ -67,6 +76,48 @@ LOSS_BYTES = 36
 # sum (4); backward: the upcast (6), subtract and exp (16), the scale (8), the bf16
 # gradient (4 + 2). Under loss_parallel its two small all-reduces per chunk are not counted.
 LOSS_BYTES_CHUNKED = 66
+
+
+def load_attention_table(path: Path) -> tuple[str, tuple[tuple[int, float], ...]] | None:
+    """(device name, ((sequence length, FLOP/s), ...)) of a `bench.kernel_speeds` JSON's
+    attention rows (SDPA, causal, head dim 128, forward and backward); None where
+    `load_matmul_table` gives None or the file has no attention rows."""
+    if load_matmul_table(path) is None:
+        return None
+    result = json.loads(Path(path).read_text())
+    rows = tuple(sorted((int(r["seq"]), float(r["tflops"]) * 1e12) for r in result.get("attention") or ()))
+    return (result["device"], rows) if rows else None
+
+
+@lru_cache(maxsize=None)
+def measured_attention(folder: Path) -> dict[str, tuple]:
+    """GPU name -> its measured attention rows, as `measured_tables` for the matmuls."""
+    tables = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        loaded = load_attention_table(path)
+        gpu = gpu_of_device(loaded[0]) if loaded else None
+        if gpu is not None:
+            tables[gpu.name] = loaded[1]
+    return tables
+
+
+def attention_rate(seq: int, gpu) -> float:
+    """FLOP/s of causal flash attention, forward and backward, over sequences of ``seq``
+    (planning/kernels.py counts its FLOPs): between measured lengths linear in log(seq),
+    beyond them the nearest measured length's rate; without a measured table
+    `attention_efficiency` of the peak. The kernel gets faster with the sequence (the
+    H100's: 22% of the peak at 1,024 tokens, 55% at 16,384): more key tiles per query tile
+    to amortise each tile's start, and fewer of the diagonal tiles the mask half-wastes."""
+    rows = measured_attention(matmul.TABLES).get(gpu.name)  # read here: tests point TABLES elsewhere
+    if not rows:
+        return gpu.peak_bf16_flops * gpu.attention_efficiency
+    if seq <= rows[0][0]:
+        return rows[0][1]
+    for (s0, r0), (s1, r1) in zip(rows, rows[1:]):
+        if seq <= s1:
+            w = math.log(seq / s0) / math.log(s1 / s0)
+            return r0 + w * (r1 - r0)
+    return rows[-1][1]
 
 
 @dataclass
@@ -139,7 +190,7 @@ def block_matmul_seconds(m, tokens: int, tp: int, gpu) -> tuple[float, float]:
 
 
 def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recompute: str,
-                  compiled: bool = False, float8: str = "") -> Seconds:
+                  compiled: bool = False, float8: str = "", attention_efficiency: float = 0.0) -> Seconds:
     """One block's forward and backward over ``tokens`` tokens of sequences of ``seq``
     (this GPU holds seq / cp of each, and 1 / tp of the heads and FFN width).
     ``recompute``: "none", "full" (the forward again), "op" (its element-wise work again)."""
@@ -154,7 +205,8 @@ def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recomput
     n_fwd, k_attn, k_mem = passes[recompute]
     speedup = FLOAT8_MATMUL_SPEEDUP[float8] if float8 else 1.0  # [float8]: the block's Linear layers
     return Seconds(matmul=(fwd * n_fwd + bwd) / speedup,
-                   attention=attn_fwd * k_attn / (peak * gpu.attention_efficiency),
+                   attention=attn_fwd * k_attn / (peak * attention_efficiency if attention_efficiency
+                                                  else attention_rate(seq, gpu)),
                    memory=mem * k_mem / gpu.hbm_bandwidth)
 
 

@@ -20,7 +20,7 @@ import sys
 
 from meshtrain.models import registry
 from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
-from meshtrain.planning import hardware, matmul
+from meshtrain.planning import hardware, kernels, matmul
 from meshtrain.planning.report import describe, format_breakdown, format_table, to_toml
 from meshtrain.planning.search import LONG_SEQ, plan
 from meshtrain.planning.shape import Job, ModelShape
@@ -109,6 +109,14 @@ def matmul_speeds(gpu) -> str:
     return f"large matmuls at {gpu.matmul_efficiency:.0%} of it (others by shape over {gpu.sms} SMs)"
 
 
+def attention_speed(gpu, seq: int) -> str:
+    """How the estimate times attention on ``gpu`` at ``seq``: measured by length, or published."""
+    rate = kernels.attention_rate(seq, gpu) / gpu.peak_bf16_flops
+    if kernels.measured_attention(matmul.TABLES).get(gpu.name):
+        return f"attention at {rate:.0%} (measured by length, physics/kernels/)"
+    return f"flash attention at {rate:.0%}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
           f"sequences{', chunked loss' if job.chunked_loss else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s "
-          f"bf16: {matmul_speeds(gpu)}, flash attention at {gpu.attention_efficiency:.0%}, memory-bound work at "
+          f"bf16: {matmul_speeds(gpu)}, {attention_speed(gpu, job.seq_len)}, memory-bound work at "
           f"{gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "
           f"(docs/planning.md, Validation).")
     if not fitting and smallest is None:

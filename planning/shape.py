@@ -202,6 +202,11 @@ class Job:
     # that rank's expert compute, its all-to-all time and its expert activations; the
     # bytes reported are the mean over the ranks (what a traced step counts).
     moe_imbalance: float = 1.25
+    # The attention kernel's speed as a fraction of the bf16 peak; 0: torch's SDPA as
+    # physics/kernels/ measured it on this GPU by sequence length, else the GPU's
+    # `attention_efficiency` (planning/matmul.py attention_rate). For a run whose kernel is
+    # another (the validation's other frameworks).
+    attention_efficiency: float = 0.0
 
     def __post_init__(self):
         if self.topology is not None:  # one described in Python; the CLI's was checked naming its file

@@ -81,7 +81,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         # this rank runs s / cp tokens of each of the micro-batch's b sequences.
         tokens = b * s / cp
         run = lambda shape, recompute: block_seconds(shape, tokens=tokens, seq=s, tp=t, cp=cp, gpu=gpu,
-                                                     recompute=recompute, compiled=job.compiled, float8=job.float8)
+                                                     recompute=recompute, compiled=job.compiled, float8=job.float8,
+                                                     attention_efficiency=job.attention_efficiency)
         kept = "op" if lay.ac == "op" else "none"
         seconds = (run(m, "full") * (ckpt - ckpt_moe) + run(m, kept) * (share.layers - n_moe - ckpt + ckpt_moe))
         if n_moe:
