@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from meshtrain.physics.gpus import gpu_of_device
 from meshtrain.planning import matmul
 from meshtrain.planning.matmul import linear_seconds, load_matmul_table
 
@@ -91,14 +90,8 @@ def load_attention_table(path: Path) -> tuple[str, tuple[tuple[int, float], ...]
 
 @lru_cache(maxsize=None)
 def measured_attention(folder: Path) -> dict[str, tuple]:
-    """GPU name -> its measured attention rows, as `measured_tables` for the matmuls."""
-    tables = {}
-    for path in sorted(Path(folder).glob("*.json")):
-        loaded = load_attention_table(path)
-        gpu = gpu_of_device(loaded[0]) if loaded else None
-        if gpu is not None:
-            tables[gpu.name] = loaded[1]
-    return tables
+    """GPU name -> its measured attention rows (planning/matmul.py `tables_by_gpu`)."""
+    return matmul.tables_by_gpu(folder, load_attention_table)
 
 
 def attention_rate(seq: int, gpu) -> float:

@@ -102,17 +102,23 @@ def load_matmul_table(path: Path) -> tuple[str, tuple[tuple[int, int, int, float
     return result["device"], rows
 
 
-@lru_cache(maxsize=None)
-def measured_tables(folder: Path) -> dict[str, tuple]:
-    """GPU name (physics/gpus.py) -> its measured rows, from every kernel_speeds JSON in
-    ``folder`` (the last file by name wins for a GPU measured more than once)."""
+def tables_by_gpu(folder: Path, load) -> dict[str, tuple]:
+    """GPU name (physics/gpus.py) -> the rows ``load`` reads (device name, rows) from every
+    kernel_speeds JSON in ``folder`` (the last file by name wins for a GPU measured more
+    than once)."""
     tables = {}
     for path in sorted(Path(folder).glob("*.json")):
-        loaded = load_matmul_table(path)
+        loaded = load(path)
         gpu = gpu_of_device(loaded[0]) if loaded else None
         if gpu is not None:
             tables[gpu.name] = loaded[1]
     return tables
+
+
+@lru_cache(maxsize=None)
+def measured_tables(folder: Path) -> dict[str, tuple]:
+    """GPU name -> its measured matmul rows (`tables_by_gpu`)."""
+    return tables_by_gpu(folder, load_matmul_table)
 
 
 def _roofline_rate(m: int, k: int, n: int, gpu) -> float:
