@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_ranks import forked_ranks
+from tests.forked_ranks import forked_python, forked_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,12 +50,12 @@ def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: d
 
 def one_process(script: str, *args: str, timeout: int = 300):
     """``script`` as a world of one without torchrun (parallel/mesh.py's init_distributed
-    starts the same one-rank process group), saving the launcher's own start-up."""
+    starts the same one-rank process group), forked (tests/forked_ranks.py): neither the
+    launcher's start-up nor the interpreter's imports."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return forked_python(script, *args, env=env, timeout=timeout)
 
 
 def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:

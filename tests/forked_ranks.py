@@ -10,9 +10,15 @@ a fork of it. The process group is the one torchrun's ranks build: gloo over a T
 which this process hosts as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE), so no
 port is picked and handed over.
 
-What this is not: torchrun. Tests of what the launcher does -- restarts, signals, a rank
-killed, the report of a failed job, the command line a user types -- use the real one
-(tests/conftest.py `torchrun`). Jobs here are ones whose proof is what the ranks compute.
+`forked_python` runs one such process without torchrun's environment, as `python script
+...` would: a single-process train.py run costs its work, not another 5 CPU-seconds of
+imports.
+
+What this is not: torchrun, nor a fresh interpreter. Tests of what the launcher does --
+restarts, signals, a rank killed, the report of a failed job, the command line a user types
+-- use the real one (tests/conftest.py `torchrun`), and tests of an interpreter's own start-up (what it imports
+before refusing a typo, a signal during its imports) start a real one. Jobs here are ones
+whose proof is what the ranks compute.
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ def _forkserver():
     return _context
 
 
-def _rank_main(script: str, args: list[str], env: dict, out: str, err: str) -> None:
-    """One rank: torchrun's environment, its output to its own two files, the
-    script run as __main__ with its own argv (exit code: SystemExit's, 1 for an exception,
-    whose traceback multiprocessing prints to the job's stderr)."""
+def _rank_main(argv: list[str], env: dict, out: str, err: str, cwd: str) -> None:
+    """One process: its environment, its output to its own two files, ``argv`` run as
+    ``python *argv`` runs it -- a script, ``-m`` and a module, or ``-c`` and code -- as __main__ (exit code:
+    SystemExit's, 1 for an exception, whose traceback multiprocessing prints to stderr)."""
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
@@ -56,13 +62,58 @@ def _rank_main(script: str, args: list[str], env: dict, out: str, err: str) -> N
         os.close(handle)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.chdir(ROOT)
-    sys.argv = [script, *args]
-    sys.path.insert(0, str((ROOT / script).parent))
+    os.chdir(cwd)
     try:
-        runpy.run_path(str(ROOT / script), run_name="__main__")
+        if argv[0] in ("-m", "-c"):
+            sys.argv = [argv[1] if argv[0] == "-m" else "-c", *argv[2:]]
+            sys.path.insert(0, cwd)
+            if argv[0] == "-m":
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            script = Path(cwd) / argv[0]
+            sys.argv = list(argv)
+            sys.path.insert(0, str(script.parent))
+            runpy.run_path(str(script), run_name="__main__")
     finally:  # a forked process leaves by os._exit: run what an interpreter runs at exit (run_lock's release)
         atexit._run_exitfuncs()
+
+
+def _run(argv: list[str], envs: list[dict], timeout: float, cwd: str) -> tuple[list[int], str, str]:
+    """One forked process per environment, all running ``argv``; returns their exit codes
+    and their stdout and stderr, one process after another. Stops them all as soon as one
+    fails; raises subprocess.TimeoutExpired after ``timeout`` seconds, the processes killed."""
+    ctx = _forkserver()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = [os.path.join(tmp, f"stdout{i}") for i in range(len(envs))]
+        err = [os.path.join(tmp, f"stderr{i}") for i in range(len(envs))]
+        procs = []
+        for i, env in enumerate(envs):
+            proc = ctx.Process(target=_rank_main, args=(argv, env, out[i], err[i], str(cwd)))
+            proc.start()
+            procs.append(proc)
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.exitcode is None for p in procs) and all(p.exitcode in (None, 0) for p in procs):
+                if time.monotonic() > deadline:
+                    _stop(procs)
+                    raise subprocess.TimeoutExpired(argv, timeout, _read(out), _read(err))
+                multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], 0.2)
+        finally:
+            _stop(procs)  # one failed (or the wait did): the others are stopped
+        return [p.exitcode for p in procs], _read(out), _read(err)
+
+
+def forked_python(*argv: str, env: dict | None = None, timeout: float = 300,
+                  cwd: str | Path = ROOT) -> subprocess.CompletedProcess:
+    """``python *argv`` (a script, ``-m`` and a module, or ``-c`` and code, then the arguments) as one process
+    forked from the forkserver, with ``env`` as its whole environment (this one's when None),
+    as subprocess.run(..., capture_output=True, text=True) returns it: exit code and all.
+    For runs whose proof is what the program does; a test of the interpreter's own start-up
+    (what is imported, how soon, a signal during it) needs a real one."""
+    codes, out, err = _run(list(argv), [dict(os.environ if env is None else env)], timeout, str(cwd))
+    return subprocess.CompletedProcess([sys.executable, *argv], codes[0], out, err)
 
 
 def forked_ranks(script: str, *args: str, nproc: int = 4, timeout: int = 300,
@@ -74,33 +125,15 @@ def forked_ranks(script: str, *args: str, nproc: int = 4, timeout: int = 300,
     subprocess.TimeoutExpired after ``timeout`` seconds, the ranks killed."""
     import torch.distributed as dist
 
-    ctx = _forkserver()
     store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
     base = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {}),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
             "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "forked", "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = [os.path.join(tmp, f"stdout{rank}") for rank in range(nproc)]
-        err = [os.path.join(tmp, f"stderr{rank}") for rank in range(nproc)]
-        ranks = []
-        for rank in range(nproc):
-            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-            proc = ctx.Process(target=_rank_main, args=(script, list(args), rank_env, out[rank], err[rank]))
-            proc.start()
-            ranks.append(proc)
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.exitcode is None for p in ranks) and all(p.exitcode in (None, 0) for p in ranks):
-                if time.monotonic() > deadline:
-                    _stop(ranks)
-                    raise subprocess.TimeoutExpired(script, timeout, _read(out), _read(err))
-                multiprocessing.connection.wait([p.sentinel for p in ranks if p.exitcode is None], 0.2)
-        finally:
-            _stop(ranks)  # a rank failed (or the wait did): the others are stopped
-        code = 0 if all(p.exitcode == 0 for p in ranks) else 1
-        return subprocess.CompletedProcess([script, *args], code, _read(out), _read(err))
+    envs = [{**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)} for rank in range(nproc)]
+    codes, out, err = _run([script, *args], envs, timeout, str(ROOT))
+    return subprocess.CompletedProcess([script, *args], 0 if all(c == 0 for c in codes) else 1, out, err)
 
 
 def _stop(ranks, grace: float = 10.0) -> None:

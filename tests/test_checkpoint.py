@@ -3,16 +3,14 @@ a resumed run continues bitwise like an uninterrupted one, a checkpoint loads in
 layouts, a kill in the middle of a save damages nothing, and bad checkpoints are refused."""
 
 import shutil
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import ROOT, one_process, torchrun
-from tests.forked_ranks import forked_ranks
+from tests.conftest import one_process, torchrun
+from tests.forked_ranks import forked_python, forked_ranks
 from tests.workers.parity import MUON
 from meshtrain.training.checkpoint import complete_checkpoints, step_dir
 
@@ -122,8 +120,7 @@ def test_checkpoint_of_dp2_tp2_resumes_under_another_layout(out, uninterrupted, 
 
 
 def _train_cli(*argv):
-    return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    return forked_python("train.py", *argv, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
 
 
 @pytest.mark.slow

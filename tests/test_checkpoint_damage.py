@@ -6,12 +6,11 @@ leaves every complete checkpoint intact."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, torchrun
+from tests.conftest import torchrun
+from tests.forked_ranks import forked_python
 from meshtrain.training.checkpoint import complete_checkpoints
 from meshtrain.training.checkpoint_reader import damage
 
@@ -28,8 +27,7 @@ def args(out, steps, *more):
 
 def train(out, steps, *more):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "train.py", *args(out, steps, *more)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    return forked_python("train.py", *args(out, steps, *more), timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,12 @@ a command refuses it, naming the file and the refused global, before anything ru
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from tests.conftest import ROOT
+from tests.forked_ranks import forked_python
 from meshtrain.training.checkpoint_reader import read_index
 
 ARGS = ["--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.steps=2",
@@ -21,7 +20,7 @@ ARGS = ["--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1"
 def run(*args, cwd=ROOT):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return forked_python(*args, cwd=cwd, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")

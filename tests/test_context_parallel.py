@@ -12,7 +12,7 @@ import pytest
 from meshtrain.parallel.context_parallel import kv_repeats
 from tests import oracle, train_oracle
 from tests.conftest import dry_run_refusal, recipe_runs
-from tests.forked_ranks import forked_ranks
+from tests.forked_ranks import forked_python, forked_ranks
 
 TRAIN = ["--training.steps=4", "--training.seq_len=64", "--training.global_batch_size=8",
          "--training.max_norm=0.1", "--optimizer.lr=3e-3"]
@@ -103,17 +103,11 @@ def test_each_rank_receives_the_kv_heads_its_query_heads_read(q_heads, kv_heads,
 def test_train_py_cp2_tp2_gives_the_one_process_losses(tmp_path):
     """The issue's command: torchrun --nproc-per-node 4 train.py --config debug_2d
     --parallelism.cp 2 --parallelism.tp 2 --parallelism.dp_shard 1."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
     common = ["--config", "debug_2d", "--training.steps=4", "--training.seq_len=64", f"--job.output_dir={tmp_path}"]
     proc = forked_ranks("train.py", *common, "--job.name=cp", "--parallelism.cp", "2", "--parallelism.tp", "2",
                     "--parallelism.dp_shard", "1", nproc=4)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    one = subprocess.run([sys.executable, "train.py", *common, "--job.name=one", "--parallelism.tp=1",
-                          "--parallelism.dp_shard=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    one = forked_python("train.py", *common, "--job.name=one", "--parallelism.tp=1", "--parallelism.dp_shard=1")
     assert one.returncode == 0, one.stderr[-4000:]
     got, want = (train_oracle.logged(tmp_path / n, "loss") for n in ("cp", "one"))
     assert len(got) == 4 and all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(got, want)), (got, want)
@@ -178,10 +172,6 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
     steps 2, 4, 6; one process resumes from step 2, and cp 2 again from that run's step 4;
     both continue with the losses of the uninterrupted run."""
     import shutil
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
 
     common = ["--config", "debug_2d", "--training.steps=6", "--training.seq_len=64", "--checkpoint.enable=true",
               "--checkpoint.interval=2", "--job.name=run", "--parallelism.tp=1", "--parallelism.dp_shard=1"]
@@ -198,8 +188,7 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
         args = [*common, f"--job.output_dir={tmp_path / folder}"]
         if launch:
             return forked_ranks("train.py", *args, *launch, nproc=2)
-        return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
+        return forked_python("train.py", *args)
 
     b = resume_from("a", 2, "b")  # cp 2 -> one process
     assert b.returncode == 0 and "resumed at step 2" in b.stdout, b.stderr[-4000:]

@@ -4,15 +4,12 @@ fp32 grad, Adam m and v); FSDP traffic = one reduce-scatter of fp32 gradients an
 all-gathers of each block (forward, backward) per micro-batch; TP with sequence parallel = 2 all-gathers
 and 2 reduce-scatters per block forward, as many backward."""
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import ROOT
 from meshtrain.training.config_loader import load_config
 from meshtrain.planning.dry_run import GiB, dry_run, format_fit
 from meshtrain.planning.plan import run as plan_run
+from tests.forked_ranks import forked_python
 
 
 def model_states(report) -> int:
@@ -124,10 +121,9 @@ def test_gpt2_first_stage_pays_one_tp_collective_pair_per_embedding():
 
 @pytest.mark.slow
 def test_a_config_that_cannot_fit_says_by_how_much_and_exits_1():
-    proc = subprocess.run([sys.executable, "train.py", "--config", "llama3_8b", "--dry-run", "--world-size", "1",
-                           "--gpu", "h100-80gb", "--training.seq_len=512", "--training.global_batch_size=1",
-                           "--training.local_batch_size=0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = forked_python("train.py", "--config", "llama3_8b", "--dry-run", "--world-size", "1", "--gpu", "h100-80gb",
+                         "--training.seq_len=512", "--training.global_batch_size=1", "--training.local_batch_size=0",
+                         timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "does NOT fit" in proc.stdout and "GiB over" in proc.stdout
 

@@ -1,5 +1,8 @@
 """Faults a long run meets, injected for real: SIGKILLed ranks under torchrun's restarts,
-a SIGTERM that reaches one rank, a stalled rank, a NaN loss."""
+a SIGTERM that reaches one rank, a stalled rank, a NaN loss. What the launcher does (the
+restarts, the stalled job's end) runs under real torchrun; the runs whose proof is what the
+ranks do -- the reference run, the SIGTERM to one rank and its resumption, the NaN -- run
+forked (tests/forked_ranks.py)."""
 
 import random
 import subprocess
@@ -11,6 +14,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, torchrun
+from tests.forked_ranks import forked_python, forked_ranks
 from meshtrain.training.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -40,7 +44,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(out):
-    proc = torchrun("train.py", *args(out, "whole", *DP2_TP2), nproc=4)
+    proc = forked_ranks("train.py", *args(out, "whole", *DP2_TP2), nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return losses(out, "whole")
 
@@ -62,11 +66,11 @@ def test_three_sigkills_under_torchrun_restarts_lose_nothing(out, uninterrupted)
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_then_resumes(out, uninterrupted):
-    proc = torchrun("tests/workers/faults.py", "sigterm", "1", "5", *args(out, "preempted", *DP2_TP2), nproc=4)
+    proc = forked_ranks("tests/workers/faults.py", "sigterm", "1", "5", *args(out, "preempted", *DP2_TP2), nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SIGTERM received: stopped after step 5; checkpoint saved" in proc.stdout
     assert [s for s, _ in complete_checkpoints(out / "preempted" / "checkpoint")] == [2, 4, 5]
-    proc = torchrun("train.py", *args(out, "preempted", *DP2_TP2), nproc=4)
+    proc = forked_ranks("train.py", *args(out, "preempted", *DP2_TP2), nproc=4)
     assert proc.returncode == 0 and "resumed at step 5" in proc.stdout
     assert torch.equal(losses(out, "preempted"), uninterrupted)
 
@@ -101,8 +105,7 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout_and_the_hang_report_
 
 
 def _one_process(*argv):
-    return subprocess.run([sys.executable, "tests/workers/faults.py", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "", "PYTHONPATH": str(ROOT)})
+    return forked_python("tests/workers/faults.py", *argv, env={"OMP_NUM_THREADS": "1", "PATH": "", "PYTHONPATH": str(ROOT)})
 
 
 def test_a_nan_loss_stops_and_keeps_the_last_good_state(out):

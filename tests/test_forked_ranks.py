@@ -1,6 +1,7 @@
 """tests/forked_ranks.py, the launcher most multi-process proofs run under: every rank gets
 its own RANK in one real gloo world, the script its argv, and a failing rank ends the job
-(exit 1, the others stopped) rather than leaving it waiting."""
+(exit 1, the others stopped) rather than leaving it waiting. A single forked process
+(forked_python) answers as `python ...` would: its own environment, argv and exit code."""
 
 import os
 import re
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from tests.forked_ranks import forked_ranks
+from tests.forked_ranks import forked_python, forked_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -31,3 +32,13 @@ def test_a_failing_rank_fails_the_job_and_stops_the_ranks_waiting_for_it():
     for pid in pids:  # gone, not running on behind the returned job
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_one_forked_process_gets_its_environment_argv_and_exit_code(tmp_path):
+    code = "import os, sys; print(os.environ.get('X'), os.environ.get('RANK'), sys.argv[1:], os.getcwd()); sys.exit(3)"
+    proc = forked_python("-c", code, "a", env={"X": "y"}, cwd=tmp_path)
+    assert (proc.returncode, proc.stdout) == (3, f"y None ['a'] {tmp_path}\n"), proc.stderr
+    proc = forked_python("-m", "meshtrain.training.hang_report", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # SystemExit's code, as python -m
+    proc = forked_python("-c", "raise ValueError('planted')")
+    assert proc.returncode == 1 and "ValueError: planted" in proc.stderr and "Traceback" in proc.stderr

@@ -5,8 +5,6 @@ sharded), the export CLI on a DCP checkpoint, and clear errors on mismatched inp
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,6 +30,7 @@ from meshtrain.models.llama.model import LlamaConfig  # noqa: E402
 from meshtrain.parallel import ParallelDims, parallelize  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 from meshtrain.training.export import main as export_main  # noqa: E402
+from tests.forked_ranks import forked_python  # noqa: E402
 
 # GQA, and Llama 3.1 rope scaling whose original length puts the head's four frequencies
 # in all three regimes (kept, blended, divided by factor).
@@ -185,8 +184,7 @@ def test_export_loads_in_transformers(tmp_path, tied, max_shard_bytes):
 
 def run_export(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "meshtrain.training.export", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return forked_python("-m", "meshtrain.training.export", *map(str, args), env=env, timeout=120)
 
 
 @pytest.mark.slow

@@ -19,15 +19,13 @@ judged against the unmodified class from_pretrained loads, in gradients too."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests import oracle, train_oracle
-from tests.conftest import ROOT, recipe_runs
-from tests.forked_ranks import forked_ranks
+from tests.conftest import recipe_runs
+from tests.forked_ranks import forked_python, forked_ranks
 from tests.hf_configs import ARCHS, write_config
 
 LAYOUTS = {
@@ -197,8 +195,7 @@ def test_export_reloads_in_transformers_with_the_trained_models_logits(qwen2_run
 
     root, folder, _, _ = qwen2_run
     _, step = max(complete_checkpoints(root / "run" / "checkpoint"))
-    exported = subprocess.run([sys.executable, "-m", "meshtrain.training.export", str(step), str(root / "hf"), "--format",
-                               "hf"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    exported = forked_python("-m", "meshtrain.training.export", str(step), str(root / "hf"), "--format", "hf")
     assert exported.returncode == 0, exported.stderr[-3000:]
     loaded = AutoModelForCausalLM.from_pretrained(root / "hf")
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight

@@ -4,8 +4,6 @@ own pre-flight checks, and the command line's exit codes. One process, no GPU.""
 
 import dataclasses
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -26,8 +24,8 @@ from meshtrain.physics.gpus import HEADROOM
 from meshtrain.planning.plan import resolve_model, run
 from meshtrain.planning.report import to_toml
 from meshtrain.planning.search import plan
-from tests.conftest import ROOT
 from meshtrain.training.config_loader import load_config
+from tests.forked_ranks import forked_python
 
 H100 = get_gpu("h100-80gb")
 
@@ -284,8 +282,7 @@ def test_405b_on_one_node_does_not_fit_and_says_by_how_much(capsys):
 # ---------------------------------------------------------------- the command line
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "meshtrain.planning.plan", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return forked_python("-m", "meshtrain.planning.plan", *args, timeout=120)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, torchrun
+from tests.forked_ranks import forked_python
 from meshtrain.training.run_lock import LOCK_NAME
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -28,9 +29,8 @@ def env():
             "OMP_NUM_THREADS": "1"}
 
 
-def train(*args, **kwargs):
-    return subprocess.run([sys.executable, "train.py", *ONE, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=env(), **kwargs)
+def train(*args):
+    return forked_python("train.py", *ONE, *args, timeout=300, env=env())
 
 
 def test_a_second_job_on_the_same_folder_is_refused_and_the_first_goes_on(tmp_path):

@@ -3,13 +3,12 @@ step, a rerun of a finished job that says there is nothing to do, a new run that
 own TensorBoard curve, and a hint with the launch command when the world does not fit."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import ROOT, torchrun
+from tests.conftest import torchrun
+from tests.forked_ranks import forked_python
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -17,8 +16,7 @@ ONE_PROCESS = ("--config", "debug_2d", "--parallelism.tp=1", "--parallelism.dp_s
 
 
 def train(out, *args):
-    proc = subprocess.run([sys.executable, "train.py", *ONE_PROCESS, f"--job.output_dir={out}", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = forked_python("train.py", *ONE_PROCESS, f"--job.output_dir={out}", *args, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -67,12 +65,10 @@ def test_a_new_run_in_a_used_folder_gets_its_own_tensorboard_curve(finished, tmp
 
 
 def test_a_world_that_does_not_fit_the_degrees_names_the_launch_command(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "--config", "debug_2d", f"--job.output_dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = forked_python("train.py", "--config", "debug_2d", f"--job.output_dir={tmp_path}", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "meshtrain train --nproc-per-node 4" in proc.stderr and "--world-size 4" in proc.stderr
-    dry = subprocess.run([sys.executable, "train.py", "--config", "debug_2d", "--dry-run"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    dry = forked_python("train.py", "--config", "debug_2d", "--dry-run", timeout=120)
     assert dry.returncode == 2 and "--world-size 4" in dry.stderr, dry.stderr
 
 

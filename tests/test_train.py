@@ -2,8 +2,6 @@
 layout training like plain PyTorch on one process (tests/train_oracle.py), and bad input
 ending every rank with a message."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from meshtrain.training import recipe
 from tests import oracle, train_oracle
 from tests.conftest import ROOT, recipe_runs, torchrun
-from tests.forked_ranks import forked_ranks
+from tests.forked_ranks import forked_python, forked_ranks
 from meshtrain.training.config_loader import load_config
 
 
@@ -49,8 +47,7 @@ def _run(tmp_path, name, nproc, *overrides, config="debug_2d"):
     """Train; return the run folder (TensorBoard files, and the last step's weights with SAVE_LAST)."""
     args = _args(tmp_path, name, *overrides, config=config)
     if nproc == 1:
-        proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+        proc = forked_python("train.py", *args, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     else:
         proc = forked_ranks("train.py", *args, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -159,8 +156,7 @@ def test_gpt2_with_tied_embeddings_trains_in_pp_x_tp_resumes_in_one_process_and_
 
 
 def _train_cli(*args):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return forked_python("train.py", *args, timeout=120)
 
 
 @pytest.mark.slow
@@ -189,9 +185,8 @@ def test_a_bug_in_meshtrain_shows_its_traceback_and_is_not_called_bad_input(tmp_
             "def broken(*a, **k):\n    raise ValueError('planted bug')\n"
             "s.summed_cross_entropy = broken\n"
             "sys.exit(train.run(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "--config", "debug_2d", "--parallelism.dp_shard=1",
-                           "--parallelism.tp=1", "--training.steps=1", f"--job.output_dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = forked_python("-c", code, "--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1",
+                         "--training.steps=1", f"--job.output_dir={tmp_path}", timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" in proc.stderr and "planted bug" in proc.stderr
     assert "meshtrain: error" not in proc.stderr

@@ -45,7 +45,7 @@ from meshtrain.training.data import DataLoader, build_dataloader, build_tokenize
 from meshtrain.training.evaluate import checkpoint_folder, parse_command_line, validation_loader
 from tests import oracle, train_oracle
 from tests.conftest import ROOT
-from tests.forked_ranks import forked_ranks
+from tests.forked_ranks import forked_python, forked_ranks
 from tests.hf_configs import write_config
 from tests.in_process import ENV_KEYS
 from tests.test_sft import records, reference_labels, write_jsonl
@@ -249,9 +249,8 @@ def test_validation_changes_no_training_number_resumes_bitwise_and_evaluate_agre
     got = json.loads((tmp_path / "same.json").read_text())
     assert got["step"] == 6 and torch.tensor(got["val/loss"]).item() == val[-1]
     # ... and one process (the whole model, no FSDP or TP) the same within fp32 rounding.
-    one = subprocess.run([sys.executable, "-m", "meshtrain.cli", "evaluate", str(last_on), *TRAIN[:-2],
-                          "--parallelism.dp_shard=1", "--parallelism.tp=1", f"--out={tmp_path / 'one.json'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    one = forked_python("-m", "meshtrain.cli", "evaluate", str(last_on), *TRAIN[:-2], "--parallelism.dp_shard=1",
+                        "--parallelism.tp=1", f"--out={tmp_path / 'one.json'}", env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert one.returncode == 0, one.stderr[-4000:]
     assert "val/loss" in one.stdout
     assert json.loads((tmp_path / "one.json").read_text())["val/loss"] == pytest.approx(got["val/loss"], rel=1e-5)

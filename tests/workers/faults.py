@@ -8,7 +8,8 @@
     faults.py disk_full K S [train.py args]     rank K's checkpoint writes fail with ENOSPC from step S
     faults.py sigterm_startup K POINT [args]    rank K gets SIGTERM at POINT of start-up (tests/workers/startup_points.py)
 
-Everything else — torchrun, the process groups, checkpoints, the restart — is real.
+Everything else — the launcher (torchrun, or tests/forked_ranks.py), the process groups,
+checkpoints, the restart — is real.
 """
 
 import os
