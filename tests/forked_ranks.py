@@ -16,9 +16,9 @@ imports.
 
 What this is not: torchrun, nor a fresh interpreter. Tests of what the launcher does --
 restarts, signals, a rank killed, the report of a failed job, the command line a user types
--- use the real one (tests/conftest.py `torchrun`), and tests of an interpreter's own start-up (what it imports
-before refusing a typo, a signal during its imports) start a real one. Jobs here are ones
-whose proof is what the ranks compute.
+-- use the real one (tests/conftest.py `torchrun`), and tests of an interpreter's own
+start-up (what it imports before refusing a typo, a signal during its imports) start a real
+one. Jobs here are ones whose proof is what the ranks compute.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def _forkserver():
 
 def _rank_main(argv: list[str], env: dict, out: str, err: str, cwd: str) -> None:
     """One process: its environment, its output to its own two files, ``argv`` run as
-    ``python *argv`` runs it -- a script, ``-m`` and a module, or ``-c`` and code -- as __main__ (exit code:
-    SystemExit's, 1 for an exception, whose traceback multiprocessing prints to stderr)."""
+    ``python *argv`` runs it -- a script, ``-m`` and a module, or ``-c`` and code -- as
+    __main__ (exit code: SystemExit's, 1 for an exception, whose traceback multiprocessing
+    prints to stderr)."""
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
@@ -64,13 +65,12 @@ def _rank_main(argv: list[str], env: dict, out: str, err: str, cwd: str) -> None
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.chdir(cwd)
     try:
-        if argv[0] in ("-m", "-c"):
-            sys.argv = [argv[1] if argv[0] == "-m" else "-c", *argv[2:]]
-            sys.path.insert(0, cwd)
-            if argv[0] == "-m":
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:
-                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        if argv[0] == "-m":
+            sys.argv, sys.path[:0] = [argv[1], *argv[2:]], [cwd]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv, sys.path[:0] = ["-c", *argv[2:]], [cwd]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
         else:
             script = Path(cwd) / argv[0]
             sys.argv = list(argv)
@@ -107,8 +107,8 @@ def _run(argv: list[str], envs: list[dict], timeout: float, cwd: str) -> tuple[l
 
 def forked_python(*argv: str, env: dict | None = None, timeout: float = 300,
                   cwd: str | Path = ROOT) -> subprocess.CompletedProcess:
-    """``python *argv`` (a script, ``-m`` and a module, or ``-c`` and code, then the arguments) as one process
-    forked from the forkserver, with ``env`` as its whole environment (this one's when None),
+    """``python *argv`` (a script, ``-m`` and a module, or ``-c`` and code, then the
+    arguments) as one process forked from the forkserver, with ``env`` as its whole environment (this one's when None),
     as subprocess.run(..., capture_output=True, text=True) returns it: exit code and all.
     For runs whose proof is what the program does; a test of the interpreter's own start-up
     (what is imported, how soon, a signal during it) needs a real one."""

@@ -4,13 +4,11 @@ step's save forever; a save that fails (a full disk) stops every rank with the r
 leaves every complete checkpoint intact."""
 
 import json
-import os
 import shutil
 
 import pytest
 
-from tests.conftest import torchrun
-from tests.forked_ranks import forked_python
+from tests.conftest import one_process, torchrun
 from meshtrain.training.checkpoint import complete_checkpoints
 from meshtrain.training.checkpoint_reader import damage
 
@@ -26,8 +24,7 @@ def args(out, steps, *more):
 
 
 def train(out, steps, *more):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return forked_python("train.py", *args(out, steps, *more), timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    return one_process("train.py", *args(out, steps, *more))
 
 
 @pytest.fixture(scope="module")

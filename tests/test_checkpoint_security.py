@@ -9,25 +9,18 @@ import shutil
 import pytest
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from tests.conftest import ROOT
-from tests.forked_ranks import forked_python
+from tests.conftest import one_process
 from meshtrain.training.checkpoint_reader import read_index
 
 ARGS = ["--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.steps=2",
         "--training.seq_len=32", "--checkpoint.enable=true", "--checkpoint.interval=2"]
 
 
-def run(*args, cwd=ROOT):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return forked_python(*args, cwd=cwd, env=env, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One training run for the module (each test damages its own copy of it)."""
     out = tmp_path_factory.mktemp("security")
-    proc = run("train.py", *ARGS, f"--job.output_dir={out}", "--job.name=run")
+    proc = one_process("train.py", *ARGS, f"--job.output_dir={out}", "--job.name=run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "run"
 
@@ -55,7 +48,7 @@ def plant_command(checkpoint, tmp_path):
 @pytest.mark.slow
 def test_resume_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
     marker = plant_command(checkpoint, tmp_path)
-    proc = run("train.py", *ARGS, f"--job.output_dir={tmp_path}", "--job.name=run")
+    proc = one_process("train.py", *ARGS, f"--job.output_dir={tmp_path}", "--job.name=run")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert ".metadata" in proc.stderr and "posix.system" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -65,7 +58,7 @@ def test_resume_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
 @pytest.mark.slow
 def test_export_refuses_an_index_that_would_run_code(checkpoint, tmp_path):
     marker = plant_command(checkpoint, tmp_path)
-    proc = run("-m", "meshtrain.training.export", str(checkpoint), str(tmp_path / "out"), "--format", "torch")
+    proc = one_process("-m", "meshtrain.training.export", str(checkpoint), str(tmp_path / "out"), "--format", "torch")
     assert proc.returncode != 0
     assert "posix.system" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not marker.exists(), "the planted command ran"
@@ -80,7 +73,7 @@ def test_an_entry_stored_as_pickled_bytes_is_refused(checkpoint, tmp_path):
     key = next(k for k in metadata.state_dict_metadata if k.startswith("model."))
     metadata.state_dict_metadata[key] = BytesStorageMetadata()
     index.write_bytes(pickle.dumps(metadata))
-    proc = run("train.py", *ARGS, f"--job.output_dir={tmp_path}", "--job.name=run")
+    proc = one_process("train.py", *ARGS, f"--job.output_dir={tmp_path}", "--job.name=run")
     assert proc.returncode == 2 and key in proc.stderr and "pickled bytes" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -88,7 +81,7 @@ def test_an_entry_stored_as_pickled_bytes_is_refused(checkpoint, tmp_path):
 def test_a_truncated_index_is_refused_with_its_path(checkpoint, tmp_path):
     index = checkpoint / ".metadata"
     index.write_bytes(index.read_bytes()[:100])
-    proc = run("train.py", *ARGS, f"--job.output_dir={tmp_path}", "--job.name=run")
+    proc = one_process("train.py", *ARGS, f"--job.output_dir={tmp_path}", "--job.name=run")
     assert proc.returncode == 2 and str(index) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 

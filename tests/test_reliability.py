@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, torchrun
-from tests.forked_ranks import forked_python
+from tests.conftest import ROOT, one_process, torchrun
 from meshtrain.training.run_lock import LOCK_NAME
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -30,7 +29,7 @@ def env():
 
 
 def train(*args):
-    return forked_python("train.py", *ONE, *args, timeout=300, env=env())
+    return one_process("train.py", *ONE, *args)
 
 
 def test_a_second_job_on_the_same_folder_is_refused_and_the_first_goes_on(tmp_path):
