@@ -13,8 +13,9 @@ shares. bench/plan_vs_trace.py runs the larger searched grids of docs/planning.m
 
 The estimate is not fitted to the trace: both count the same step, one block at a time
 against the whole step, so a term missing on either side shows here (the check fails by
-20-48% on every pipeline point when the estimate forgets that a stage stays gathered
-with its fp32 gradients accumulating from its first backward to the step's end).
+18-73% on every interleaved and 1F1B point when the estimate forgets that a stage stays
+gathered with its fp32 gradients accumulating from its first backward to the step's end;
+the GPipe point peaks at its first backward, before any stage has gradients).
 """
 
 import pytest
@@ -32,7 +33,8 @@ H100 = get_gpu("h100-80gb")
 
 
 def job(model: str, nodes: int, seq: int, batch: int) -> Job:
-    return Job(resolve_model(model), H100, nodes, 8, seq, batch)
+    name, _, layers = model.partition("/")  # "70B/24": 70B's shape, 24 of its blocks
+    return Job(resolve_model(name, **({"n_layers": int(layers)} if layers else {})), H100, nodes, 8, seq, batch)
 
 
 def pipe(pp: int, m: int, v: int = 2, schedule: str = "Interleaved1F1B") -> dict:
@@ -43,14 +45,16 @@ GRID = [  # (model, nodes, seq, global batch, layout)
     *[("8B", 1, 8192, 16, dict(tp=1, pp=1, dp_shard=8, micro_batch=2, ac=ac))
       for ac in ("none", "selective", "full", "op")],
     # The pipeline's own terms with and without recomputation (tp 1 above crosses every
-    # AC mode; each pipeline point costs half a minute of tracing).
-    *[("8B", 1, 8192, 16, dict(tp=2, dp_shard=2, micro_batch=1, ac=ac, **pipe(2, 8)))
+    # AC mode). The interleaved points trace every block of a rank's two stages, so they
+    # keep 16 of 8B's 32 blocks and 24 of 70B's 80 (a minute of tracing saved): each stage
+    # still holds several blocks, and the check still fails on them as above.
+    *[("8B/16", 1, 8192, 16, dict(tp=2, dp_shard=2, micro_batch=1, ac=ac, **pipe(2, 8)))
       for ac in ("none", "full")],
     ("8B", 1, 8192, 16, dict(tp=4, pp=1, dp_shard=2, micro_batch=8, ac="selective")),
     ("8B", 1, 8192, 16, dict(tp=4, pp=1, dp_shard=2, micro_batch=2, ac="none", strategy="SHARD_GRAD_OP")),
     ("8B", 2, 8192, 16, dict(tp=8, pp=1, dp_shard=2, micro_batch=8, ac="op")),
     ("8B", 2, 8192, 16, dict(tp=2, dp_shard=2, micro_batch=1, ac="full", **pipe(4, 8, v=1, schedule="1F1B"))),
-    ("70B", 8, 8192, 128, dict(tp=2, dp_replicate=2, dp_shard=4, micro_batch=1, ac="full",
+    ("70B/24", 8, 8192, 128, dict(tp=2, dp_replicate=2, dp_shard=4, micro_batch=1, ac="full",
                                strategy="HYBRID_SHARD", **pipe(4, 16))),
     # Plain data parallelism (whole model states on every GPU), and GPipe with fewer
     # micro-batches than stages (every micro-batch in flight).
@@ -62,7 +66,7 @@ GRID = [  # (model, nodes, seq, global batch, layout)
 
 def _id(point) -> str:
     model, _, _, _, lay = point
-    return f"{model}-tp{lay['tp']}-pp{lay['pp']}-{lay['ac']}" + (f"-{lay['strategy']}" if "strategy" in lay else "")
+    return f"{model.replace('/', '-')}-tp{lay['tp']}-pp{lay['pp']}-{lay['ac']}" + (f"-{lay['strategy']}" if "strategy" in lay else "")
 
 
 @pytest.mark.parametrize("point", GRID, ids=[_id(p) for p in GRID])
