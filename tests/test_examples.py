@@ -1,21 +1,14 @@
 """The examples run as documented, learn, and give the same losses on any layout."""
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, torchrun
+from tests.conftest import ROOT, one_process, torchrun
 
 pytestmark = pytest.mark.slow  # every test here starts processes
-
-# Launcher variables from an outer job would turn a plain run into a rank of that job.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
 
 def losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r"^step \d+ loss (\S+)", stdout, flags=re.M)]
@@ -42,10 +35,7 @@ def run_single(script: str, *args: str) -> list[float]:
 
 
 def _run_single(script: str, *args: str) -> list[float]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = one_process(script, *args)  # forked: the reference's numbers, not its interpreter, are the point
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return losses(proc.stdout)
 
