@@ -18,7 +18,7 @@ from meshtrain.parallel.layout import ParallelDims
 from meshtrain.planning import muon
 from meshtrain.planning.activations import profile_for
 from meshtrain.planning.kernels import gated
-from meshtrain.planning.schedule import rank_actions
+from meshtrain.planning.schedule import replayed_actions
 from meshtrain.planning.shape import Job, ModelShape, keeps_gathered, rank_batch, shard_degree
 from meshtrain.planning.shares import RankShare, checkpointed_blocks, checkpointed_moe_blocks, rank_shares
 from meshtrain.training import chunked_loss
@@ -251,7 +251,7 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
         params = (n - n_moe) * dense_block + n_moe * moe_block + first * embed + last * (0 if (m.tied and first) else head)
         after[s] = FP32 * params * grad + (0 if zero2 else BF16 * params)
         running[s] = 0 if zero2 else BF16 * (head if last else (moe_block if n_moe else dense_block))
-    actions = rank_actions(lay.pp_schedule, lay.pp, lay.stages_per_rank, lay.pp_microbatches)[rank]
+    actions = replayed_actions(lay.pp_schedule, lay.pp, lay.stages_per_rank, lay.pp_microbatches, rank)
     live, done, best = {s: 0 for s in weight}, set(), (-1.0, 0.0, 0.0)
     for a in actions:
         if a.kind == "F":

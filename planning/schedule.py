@@ -78,6 +78,16 @@ def rank_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatches: i
     return [list(a) for a in _rank_actions(schedule, pp, stages_per_rank, n_microbatches)]
 
 
+@lru_cache(maxsize=4096)
+def replayed_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int,
+                     rank: int) -> tuple[Action, ...]:
+    """One pp rank's list as `replay_prefix` shortens it, kept once per layout: what the
+    memory estimate walks to find a rank's worst backward. The search asks it of thousands
+    of layouts; walking each whole list (2 x stages x micro-batches actions, for every rank)
+    was most of `meshtrain plan`'s time."""
+    return tuple(replay_prefix(list(_rank_actions(schedule, pp, stages_per_rank, n_microbatches)[rank])))
+
+
 def replay_prefix(actions: list[Action]) -> list[Action]:
     """The part of one rank's list a memory trace must run to meet every state of its step:
     its warm-up and steady state up to the last new state, then its cool-down.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.pipeline import check_pipeline, stage_ids
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
-from meshtrain.planning.schedule import in_flight_at_peak, rank_actions
+from meshtrain.planning.schedule import in_flight_at_peak, replayed_actions
 from meshtrain.planning.shape import Job, rank_batch
 
 
@@ -57,7 +57,7 @@ def rank_shares(job: Job, lay: ParallelDims) -> list[RankShare]:
         # Counted from torch's own order of this rank's forwards and backwards (the one the
         # dry run replays, planning/schedule.py), not a closed form: layers x micro-batches
         # alive at the rank's worst backward, and the last stage's micro-batches then.
-        actions = rank_actions(lay.pp_schedule, pp, v, m)[r]
+        actions = replayed_actions(lay.pp_schedule, pp, v, m, r)  # the states of the whole list, once each
         inflight, live, _ = in_flight_at_peak(actions, {s: len(stages[s]) for s in ids})
         head = max(1, live.get(len(stages) - 1, 0))
         moe = tuple(sum(layer >= first_moe for layer in stages[s]) for s in ids)

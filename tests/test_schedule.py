@@ -3,7 +3,8 @@ methods): these pin what it returns, so a torch upgrade that changes it fails he
 
 import pytest
 
-from meshtrain.planning.schedule import Action, in_flight_at_peak, makespan, rank_actions, replay_prefix
+from meshtrain.planning.schedule import (Action, in_flight_at_peak, makespan, rank_actions, replay_prefix,
+                                         replayed_actions)
 
 
 def counts(actions):
@@ -62,6 +63,22 @@ def _peak(actions, weight, begun_bytes, gathered_bytes):
     return best
 
 
+def _estimate_peak(actions, weight, after, running):
+    """The memory estimate's worst backward (planning/memory.py traced_memory): in-flight
+    micro-batches x their weight, what every stage that has had a backward holds (gathered,
+    gradients accumulating), and, on a stage's first backward, its running block instead."""
+    live, done, best = {s: 0 for s in weight}, set(), 0.0
+    for a in actions:
+        if a.kind == "F":
+            live[a.stage] += 1
+            continue
+        best = max(best, sum(live[s] * weight[s] for s in live) + sum(after[s] for s in done)
+                   + (running[a.stage] if a.stage not in done else 0.0))
+        live[a.stage] -= 1
+        done.add(a.stage)
+    return best
+
+
 @pytest.mark.parametrize("schedule, pp, v, m", [("1F1B", 4, 1, 8), ("1F1B", 16, 1, 64), ("GPipe", 4, 1, 8),
                                                 ("Interleaved1F1B", 2, 2, 4), ("Interleaved1F1B", 8, 2, 32),
                                                 ("Interleaved1F1B", 4, 2, 256), ("LoopedBFS", 2, 2, 4)])
@@ -69,8 +86,9 @@ def test_the_replayed_prefix_meets_the_peak_of_the_whole_list_and_drains(schedul
     import random
 
     rng = random.Random(0)
-    for actions in rank_actions(schedule, pp, v, m):
+    for rank, actions in enumerate(rank_actions(schedule, pp, v, m)):
         prefix = replay_prefix(actions)
+        assert replayed_actions(schedule, pp, v, m, rank) == tuple(prefix)  # what the estimate walks
         stages = {a.stage for a in actions}
         assert counts(prefix)["F"] == counts(prefix)["B"] <= counts(actions)["F"]
         for _ in range(20):  # whatever the activations, gradients and gathered stages weigh
@@ -78,6 +96,8 @@ def test_the_replayed_prefix_meets_the_peak_of_the_whole_list_and_drains(schedul
             begun = {s: rng.uniform(0, 5) for s in stages}
             gathered = {s: rng.uniform(0, 5) for s in stages}
             assert _peak(prefix, weight, begun, gathered) == pytest.approx(_peak(actions, weight, begun, gathered))
+            running = {s: rng.uniform(0, 5) for s in stages}  # may weigh more than a whole stage's states
+            assert _estimate_peak(prefix, weight, begun, running) == _estimate_peak(actions, weight, begun, running)
     long = rank_actions(schedule, pp, v, m)[0]
     if m >= 64:  # the warm-up and one round, not every micro-batch
         assert len(replay_prefix(long)) < len(long) // 3
