@@ -18,9 +18,11 @@ of the run: it is repeated n - 2 times (`expand`). docs/dry_run.md argues it;
 tests/test_collective_check.py checks the expanded sequences equal tracing every block,
 call for call, on seven layouts, and that a block unlike the others is traced.
 
-Not collapsed: blocks in a ModuleList (Hugging Face models: their forward slices the list
-by the config's depth) and selective activation checkpointing (every k-th block is
-wrapped: blocks differ by position).
+Selective activation checkpointing wraps every k-th block of a stage, so there a unit of
+k blocks is the alike element (`collapse(periodic=True)`: the collective check; the
+memory extrapolation of planning/alike_memory.py does not collapse it). Not collapsed:
+blocks in a ModuleList (Hugging Face models: their forward slices the list by the
+config's depth).
 """
 
 from __future__ import annotations
@@ -51,17 +53,26 @@ def signature(block: nn.Module) -> list:
 
 
 def collapse(cfg, model: nn.Module, layout, *, longer_than: int = KEEP, grow: tuple | None = None,
-             only_if=lambda real: True):
+             only_if=lambda real: True, periodic: bool = False):
     """(the layout to build with, {block name: (stage, run, position)} of the blocks kept,
     {(stage, run): its real number of blocks}). A run is a stretch of a stage's blocks that
     are alike; each run of more than ``longer_than`` keeps its first KEEP, the run ``grow``
     (stage, run) one more (the memory extrapolation's second depth, planning/alike_memory.py),
     if ``only_if(real)`` says so. The model loses the blocks no stage keeps (on meta:
-    nothing is freed or copied); ``layout`` is left as it is."""
+    nothing is freed or copied); ``layout`` is left as it is.
+
+    Selective checkpointing wraps every k-th block of a stage (k = selective_every), so
+    alike blocks differ by position; with ``periodic`` (the collective check), a unit of k
+    blocks is what repeats: a run that starts at a unit and holds whole units keeps its
+    first KEEP units, positions and lengths count units, and every block keeps the place
+    in its stage, so the same blocks are wrapped. Other runs are kept whole."""
     blocks = getattr(model, "transformer_blocks", lambda: None)()
-    if not isinstance(blocks, nn.ModuleDict) or cfg.activation_checkpoint.mode == "selective":
+    selective = cfg.activation_checkpoint.mode == "selective"
+    if not isinstance(blocks, nn.ModuleDict) or (selective and not periodic):
         return layout, {}, {}
-    stages = layout.stage_layers or [[int(k) for k in blocks]]
+    k = cfg.activation_checkpoint.selective_every if selective else 1
+    assert k == 1 or grow is None, "the memory extrapolation does not collapse selective checkpointing"
+    stages = layout.stage_layers or [[int(b) for b in blocks]]
     kept, tags, real = [], {}, {}
     for s, ids in enumerate(stages):
         runs = []  # (signature, ids)
@@ -73,10 +84,10 @@ def collapse(cfg, model: nn.Module, layout, *, longer_than: int = KEEP, grow: tu
                 runs.append((sig, [i]))
         kept.append([])
         for r, (_, run) in enumerate(runs):
-            if len(run) > longer_than:
-                real[s, r] = len(run)
-                run = run[:KEEP + ((s, r) == grow)]
-                tags.update({str(i): (s, r, k) for k, i in enumerate(run)})
+            if len(run) > longer_than * k and len(kept[-1]) % k == 0 and len(run) % k == 0:
+                real[s, r] = len(run) // k
+                run = run[:(KEEP + ((s, r) == grow)) * k]
+                tags.update({str(i): (s, r, j // k) for j, i in enumerate(run)})
             kept[-1] += run
     if not real or not only_if(real):
         return layout, {}, {}

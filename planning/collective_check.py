@@ -71,7 +71,7 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int, *,
         tags, real = {}, {}  # kept block -> (stage, run, position); (stage, run) -> its real length
 
         def fewer_blocks(model, layout):
-            built, kept, found = collapse(cfg, model, layout)
+            built, kept, found = collapse(cfg, model, layout, periodic=True)
             tags.update(kept)
             real.update(found)
             return built

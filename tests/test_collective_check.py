@@ -110,6 +110,10 @@ EXPANDED = {
     "no_pipeline_op_ac": ("debug_2d", 4, 2, ["--model.n_layers=6", "--activation_checkpoint.mode=op"]),
     "experts": ("moe_debug", 4, 3, ["--model.n_layers=7"]),
     "tied_embeddings": ("gpt2_debug_3d", 8, 6, ["--model.n_layers=10"]),
+    # Selective checkpointing wraps every k-th block: units of k blocks are traced and expanded.
+    "pp_selective_ac": ("debug_3d", 8, 5, ["--model.n_layers=16", "--activation_checkpoint.mode=selective"]),
+    "no_pipeline_selective_every_3": ("debug_2d", 4, 1, ["--model.n_layers=15", "--activation_checkpoint.mode=selective",
+                                                         "--activation_checkpoint.selective_every=3"]),
 }
 
 
@@ -120,8 +124,8 @@ def _every_block_and_expanded(monkeypatch, name, world, rank, overrides):
     collapsed = []
     collapse = collective_check.collapse
 
-    def noted(*args):
-        built, tags, real = collapse(*args)
+    def noted(*args, **kwargs):
+        built, tags, real = collapse(*args, **kwargs)
         collapsed.append(real)
         return built, tags, real
 
