@@ -16,7 +16,7 @@ stage reduces its gradients after the step's last backward, outside any block). 
 group's sequence, each stretch of the middle block's calls stands for every middle block
 of the run: it is repeated n - 2 times (`expand`). docs/dry_run.md argues it;
 tests/test_collective_check.py checks the expanded sequences equal tracing every block,
-call for call, on seven layouts, and that a block unlike the others is traced.
+call for call, on nine layouts, and that a block unlike the others is traced.
 
 Selective activation checkpointing wraps every k-th block of a stage, so there a unit of
 k blocks is the alike element (`collapse(periodic=True)`: the collective check; the
