@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.forked_ranks import forked_python, forked_ranks
+from tests.in_process import ENV_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,14 +49,19 @@ def torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 300, env: d
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def launcher_free_env() -> dict:
+    """This process's environment without a launcher's rendezvous (an outer job's, or one an
+    in-process test set: two runs side by side would both listen on its port), for a
+    process that is to be a world of one."""
+    return {**{k: v for k, v in os.environ.items() if k not in ENV_KEYS}, "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1"}
+
+
 def one_process(script: str, *args: str, timeout: int = 300):
     """``script`` as a world of one without torchrun (parallel/mesh.py's init_distributed
     starts the same one-rank process group), forked (tests/forked_ranks.py): neither the
     launcher's start-up nor the interpreter's imports."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return forked_python(script, *args, env=env, timeout=timeout)
+    return forked_python(script, *args, env=launcher_free_env(), timeout=timeout)
 
 
 def train_layouts(worker: str, out: Path, names, nproc: int) -> dict:

@@ -53,11 +53,11 @@ from meshtrain import train  # noqa: E402
 from meshtrain.models.llama import Llama  # noqa: E402
 from meshtrain.training.config import PP_SCHEDULES, SECTIONS, choices  # noqa: E402
 from meshtrain.training.config_loader import CONFIGS_DIR, available_configs, describe_accepted, tomllib  # noqa: E402
+from tests.in_process import ENV_KEYS  # noqa: E402
 
 # A bad config must be refused within this many seconds (CI shares 2 cores; a refusal
 # takes ~10 ms, the debug model on meta included).
 SECONDS = 5.0
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
               list[int]: "a list of integers", list[str]: "a list of strings"}
 FIELDS = [(section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]

@@ -12,20 +12,12 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, one_process, torchrun
+from tests.conftest import ROOT, launcher_free_env, one_process, torchrun
 from meshtrain.training.run_lock import LOCK_NAME
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ONE = ("--config", "debug_2d", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--training.seq_len=32")
-
-
-def env():
-    # Not this process's rendezvous either (an in-process test may have set it): two runs
-    # side by side would both listen on that port.
-    return {**{k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
-            "OMP_NUM_THREADS": "1"}
 
 
 def train(*args):
@@ -35,7 +27,7 @@ def train(*args):
 def test_a_second_job_on_the_same_folder_is_refused_and_the_first_goes_on(tmp_path):
     out = f"--job.output_dir={tmp_path}"
     first = subprocess.Popen([sys.executable, "train.py", *ONE, out, "--training.steps=400"], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launcher_free_env())
     lock = tmp_path / "debug_2d" / LOCK_NAME
     while not lock.exists() and first.poll() is None:
         time.sleep(0.1)
@@ -94,7 +86,7 @@ def test_a_bad_config_is_refused_before_torch_is_imported():
             "rc = train.run(['--config', 'debug_2d', '--training.steps', 'ten'])\n"
             "assert rc == 2, rc\n"
             "assert 'torch' not in sys.modules, 'torch was imported to refuse a typo'")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env())
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=launcher_free_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "must be an integer" in proc.stderr
 
