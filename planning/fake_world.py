@@ -27,7 +27,9 @@ def init_fake_world(rank: int, world_size: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _own_groups_only()
+    _fsdp_params_built_once()
     partitions.clear()
+    _concatenated.clear()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     # DTensor caches sharding decisions by mesh, and meshes of different ranks compare
     # equal: another rank's dry run in this process must not answer for this one.
@@ -114,6 +116,69 @@ def _own_groups_only() -> None:
     DeviceMesh.mesh = property(mesh)
     DeviceMesh.__eq__ = same_mesh
     DeviceMesh._meshtrain_own_groups = True
+
+
+# DeviceMesh._concatenate's results on the fake group, by the meshes concatenated (kept
+# alive with them, so their ids stay theirs); emptied with each new fake world.
+_concatenated: dict[tuple[int, ...], tuple[list, DeviceMesh]] = {}
+
+
+def _fsdp_params_built_once() -> None:
+    """Make fully_shard of a TP model cost what its parameters' shards cost.
+
+    For each parameter (1,240 on a 405B rank's two stages) FSDP2 concatenates its data-parallel and
+    TP meshes into a new DeviceMesh, which copies the world's rank map into a tuple of
+    Python ints (131,072 of them) and works out its mesh tensor: 1.2 s a rank; and it
+    cuts the parameter into one chunk per data-parallel rank (2,048 of them) to keep one:
+    1 s a rank on fake tensors. On the fake group the same meshes give the same
+    concatenation once, and only the chunks FSDP reads are cut, each as torch.chunk cuts
+    it (a narrow of chunk size ceil(n / chunks), empty past the last). Other backends take
+    torch's path."""
+    if getattr(DeviceMesh, "_meshtrain_built_once", False):
+        return
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+
+    concatenate, chunk_with_empty = DeviceMesh._concatenate, fsdp_param._chunk_with_empty
+
+    def concatenate_once(meshes: list) -> DeviceMesh:
+        if not (dist.is_initialized() and dist.get_backend() == "fake"):
+            return concatenate(meshes)
+        key = tuple(id(m) for m in meshes)
+        if key not in _concatenated:
+            _concatenated[key] = (list(meshes), concatenate(meshes))
+        return _concatenated[key][1]
+
+    def chunks_read(tensor: torch.Tensor, num_chunks: int, dim: int):
+        if not (dist.is_initialized() and dist.get_backend() == "fake"):
+            return chunk_with_empty(tensor, num_chunks, dim)
+        return _Chunks(tensor, num_chunks, dim)
+
+    concatenate_once.torchs, chunks_read.torchs = concatenate, chunk_with_empty  # for the tests' comparison
+    DeviceMesh._concatenate = staticmethod(concatenate_once)
+    fsdp_param._chunk_with_empty = chunks_read
+    DeviceMesh._meshtrain_built_once = True
+
+
+class _Chunks:
+    """torch.chunk(tensor, n, dim) padded with empty tensors to n (FSDP2's
+    `_chunk_with_empty`), each chunk cut when it is read."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int):
+        self.tensor, self.n, self.dim = tensor, n, dim
+        self.size = -(-tensor.size(dim) // n)  # torch.chunk's chunk size: ceil
+        self.count = -(-tensor.size(dim) // self.size) if self.size else 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        i %= self.n
+        if i >= self.count:  # none at all (a dimension of 0): torch.chunk gives n empty views
+            return self[0].new_empty(0) if self.count else self.tensor.narrow(self.dim, 0, 0)
+        start = i * self.size
+        return self.tensor.narrow(self.dim, start, min(self.size, self.tensor.size(self.dim) - start))
 
 
 # ---------------------------------------------------------------- memory

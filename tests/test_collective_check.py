@@ -6,6 +6,7 @@ its peers, a collective whose shape depends on the rank, a stage that sends what
 does not expect, stages placed where the schedule does not run them, and a schedule whose
 ranks wait on each other."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -205,6 +206,61 @@ def test_every_group_of_131072_ranks_is_compared_from_six_traces():
     assert compare_groups(_role_traces(dims, reps, odd_rank=131071), stands_for(dims, reps)) == [
         "dp_shard group [98304, 98305, 98306, 98307, ..., 131071] (32768): call #1 differs: rank 98304 issues "
         "all-reduce of [4] float32 during the backward; rank 131071 issues all-reduce of [5] float32 during the backward"]
+
+
+def test_fsdp_chunks_cut_when_read_are_torchs_chunks():
+    """planning/fake_world.py's `_Chunks` stands for FSDP2's `_chunk_with_empty` on the fake
+    world: the same chunks, values included, and the same empty ones past the last."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from meshtrain.planning.fake_world import _Chunks
+
+    for shape, n, dim in [((0, 3), 4, 0), ((5, 3), 4, 0), ((5, 3), 8, 0), ((16, 7), 4, 0), ((7, 10), 3, 1),
+                          ((1, 1), 64, 0), ((1000, 2), 128, 0)]:
+        t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        torchs, ours = _chunk_with_empty(t, n, dim), _Chunks(t, n, dim)
+        assert len(ours) == len(torchs) == n
+        for i, (a, b) in enumerate(zip(torchs, [ours[j] for j in range(n)])):
+            assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset()), (shape, n, i)
+            assert torch.equal(a, b), (shape, n, i)
+
+
+def test_fully_shard_on_the_fake_world_shards_every_parameter_as_torch_does(monkeypatch):
+    """The fake world also concatenates each pair of FSDP and TP/EP meshes once: every
+    sharded parameter must come out as torch's own path makes it (placements, mesh, local
+    shape, strides), for a MoE model whose experts sit on other meshes than the rest (ep 2
+    x tp 2), on a rank whose small parameters get empty chunks."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from meshtrain.planning.fake_world import init_fake_world
+    from meshtrain.planning.traced_step import build_rank
+
+    def shards(world=256, rank=255):
+        cfg = load_config("moe_debug", ["--parallelism.dp_shard=-1", "--parallelism.tp=2",
+                                        f"--training.global_batch_size={world}"])
+        init_fake_world(rank, world)
+        try:
+            _, _, _, parts = build_rank(cfg, world, 8)
+            out = {}
+            for _, part in parts:
+                for name, p in part.named_parameters():
+                    assert isinstance(p, DTensor), name
+                    local = p.to_local()
+                    out[name] = (p.placements, p.device_mesh.mesh_dim_names, p.device_mesh.mesh.tolist(),
+                                 p.device_mesh._dim_group_names, tuple(local.shape), local.stride())
+            return out
+        finally:
+            dist.destroy_process_group()
+
+    fast = shards()
+    monkeypatch.setattr(DeviceMesh, "_concatenate", staticmethod(DeviceMesh._concatenate.torchs))
+    monkeypatch.setattr(fsdp_param, "_chunk_with_empty", fsdp_param._chunk_with_empty.torchs)
+    torchs = shards()
+    assert fast == torchs
+    assert len({v[1] for v in torchs.values()}) > 1  # parameters on different meshes
+    assert any(0 in v[4] for v in torchs.values())  # and empty chunks
 
 
 def test_derived_ranks_give_what_tracing_every_rank_gives():
