@@ -2,9 +2,9 @@
 (torchft; training/fault_tolerance.py).
 
 The proof runs for real: torchft's lighthouse, and two replica groups of two ranks each, each
-its own torchrun job with gloo. Group 1's rank 1 SIGKILLs itself before step KILL_STEP (or
-before its second step, when a slow start-up made it join later);
-torchrun restarts group 1, which rejoins from group 0's live state. Group 0 must keep
+its own torchrun job with gloo, asking for their first quorum together. Group 1's rank 1
+SIGKILLs itself before step KILL_STEP (or before its second step, when a slow start-up made
+it join later), once the two groups have committed a step together; torchrun restarts group 1, which rejoins from group 0's live state. Group 0 must keep
 committing steps while group 1 is down, and every loss either group logs must equal a plain
 PyTorch run that at each step trained on the shares of the global batch whose groups took
 part -- both halves, or the survivor's half alone.
