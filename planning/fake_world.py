@@ -52,6 +52,11 @@ def one_thread():
 
 # ---------------------------------------------------------------- a mesh of 100,000 ranks
 
+def _on_fake_group() -> bool:
+    """Whether this process is a rank of a fake world: the shortcuts below apply only there."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def _own_groups_only() -> None:
     """Make a DeviceMesh on the fake group cost what this rank's own groups cost.
 
@@ -69,7 +74,7 @@ def _own_groups_only() -> None:
     make_groups, mesh_of = DeviceMesh._init_one_process_group, DeviceMesh.mesh.fget
 
     def init_one_process_group(sub_layout, rank_map, dim_name, backend_override):
-        if dist.get_backend() != "fake" or backend_override != (None, None):
+        if not _on_fake_group() or backend_override != (None, None):
             return make_groups(sub_layout, rank_map, dim_name, backend_override)
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -87,7 +92,7 @@ def _own_groups_only() -> None:
         return name
 
     def mesh(self):
-        if dist.is_initialized() and dist.get_backend() == "fake":
+        if _on_fake_group():
             if "_meshtrain_mesh" not in self.__dict__:
                 self.__dict__["_meshtrain_mesh"] = mesh_of(self)
             return self.__dict__["_meshtrain_mesh"]
@@ -98,8 +103,7 @@ def _own_groups_only() -> None:
     def same_mesh(self, other) -> bool:
         # torch compares the rank maps as tuples of Python ints, element by element (131,072
         # of them at every sharding lookup: 2 s a rank); one vectorized comparison says the same.
-        if isinstance(other, DeviceMesh) and self is not other and dist.is_initialized() \
-                and dist.get_backend() == "fake":
+        if isinstance(other, DeviceMesh) and self is not other and _on_fake_group():
             return (self._layout == other._layout and self._device_type == other._device_type
                     and self._mesh_dim_names == other._mesh_dim_names and self._thread_id == other._thread_id
                     and (self._flatten_rank_map is other._flatten_rank_map  # a deepcopy keeps the tuple
@@ -141,7 +145,7 @@ def _fsdp_params_built_once() -> None:
     concatenate, chunk_with_empty = DeviceMesh._concatenate, fsdp_param._chunk_with_empty
 
     def concatenate_once(meshes: list) -> DeviceMesh:
-        if not (dist.is_initialized() and dist.get_backend() == "fake"):
+        if not _on_fake_group():
             return concatenate(meshes)
         key = tuple(id(m) for m in meshes)
         if key not in _concatenated:
@@ -149,7 +153,7 @@ def _fsdp_params_built_once() -> None:
         return _concatenated[key][1]
 
     def chunks_read(tensor: torch.Tensor, num_chunks: int, dim: int):
-        if not (dist.is_initialized() and dist.get_backend() == "fake"):
+        if not _on_fake_group():
             return chunk_with_empty(tensor, num_chunks, dim)
         return _Chunks(tensor, num_chunks, dim)
 
