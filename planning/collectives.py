@@ -27,8 +27,11 @@ class CommStats:
     sends with ring algorithms: all-gather / reduce-scatter (n-1)/n of the full tensor,
     all-reduce twice that; an all-to-all keeps 1/n of its input and sends the rest."""
     rows: dict = field(default_factory=dict)
+    log: list | None = None  # a list: every add's arguments (planning/alike_microbatches.py)
 
     def add(self, dim: str, kind: str, payload: int, n: int, times: float = 1) -> None:
+        if self.log is not None:
+            self.log.append((dim, kind, payload, n, times))
         factor = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n,
                   "all-reduce": 2 * (n - 1) / n}.get(kind, 1.0)
         count, total, sent = self.rows.get((dim, kind), (0, 0, 0.0))

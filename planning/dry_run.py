@@ -43,19 +43,23 @@ from meshtrain.training import recipe
 
 
 def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: str = "", *,
-            fake: bool = True, quiet: bool = False, every_block: bool = False) -> dict:
+            fake: bool = True, quiet: bool = False, every_block: bool = False,
+            every_microbatch: bool = False) -> dict:
     """Build and trace rank ``rank``'s view of ``cfg`` at ``world_size``; print the report
     (unless ``quiet``) and return its numbers. ``gpu`` (e.g. "h100-80gb"): say whether the
     peak fits. ``fake=False`` runs the step on real CPU tensors instead (small models only):
     the reference tests check the fake trace against. Long stretches of alike blocks are
     traced at two shallow depths and extrapolated exactly (planning/alike_memory.py),
-    unless ``every_block``: the reference that is tested against."""
+    unless ``every_block``; a pipeline's micro-batches alike an earlier one repeat its
+    record (planning/alike_microbatches.py), unless ``every_microbatch``: the references
+    that are tested against."""
     with one_thread() if fake else contextlib.nullcontext():
-        return _dry_run(cfg, world_size, rank, gpus_per_node, gpu, fake=fake, quiet=quiet, every_block=every_block)
+        return _dry_run(cfg, world_size, rank, gpus_per_node, gpu, fake=fake, quiet=quiet, every_block=every_block,
+                        copy_alike=fake and not every_microbatch)
 
 
 def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, fake: bool, quiet: bool,
-             every_block: bool) -> dict:
+             every_block: bool, copy_alike: bool) -> dict:
     card = None
     if gpu:
         try:
@@ -70,9 +74,9 @@ def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, f
     # Selective AC is refused by `collapse` itself (blocks differ by position), as for the hang check.
     shallow = fake and not every_block and cfg.optimizer.name != "Muon"
     say("tracing one training step on fake tensors ...")
-    report = _trace(cfg, world_size, rank, gpus_per_node, fake=fake, grow=() if shallow else None)
+    report = _trace(cfg, world_size, rank, gpus_per_node, fake=fake, grow=() if shallow else None, copy_alike=copy_alike)
     if "shallow" in report:
-        report = _deep(cfg, world_size, rank, gpus_per_node, report, say)
+        report = _deep(cfg, world_size, rank, gpus_per_node, report, say, copy_alike)
     layout, groups = report.pop("layout"), report.pop("groups")
     report["seconds"] = time.perf_counter() - started
     if card is not None:
@@ -87,7 +91,7 @@ def _dry_run(cfg, world_size: int, rank: int, gpus_per_node: int, gpu: str, *, f
     return report
 
 
-def _trace(cfg, world_size: int, rank: int, gpus_per_node: int, *, fake: bool, grow) -> dict:
+def _trace(cfg, world_size: int, rank: int, gpus_per_node: int, *, fake: bool, grow, copy_alike: bool) -> dict:
     """One traced step of the rank; its report. ``grow``: None, every block is traced;
     else alike runs are cut to KEEP blocks, the run ``grow`` (a (stage, run)) to KEEP + 1,
     and the report keeps what planning/alike_memory.py extrapolates from ("shallow")."""
@@ -125,7 +129,8 @@ def _trace(cfg, world_size: int, rank: int, gpus_per_node: int, *, fake: bool, g
             if tags:
                 tracker.timeline = Timeline(lambda: (comm.phase, block_tags.latest()))
             with sharding_propagation_untracked(), tracker, comm, block_tags:
-                report["traced"] = trace_step(cfg, layout, mesh, parts, optimizers, model.cfg, comm, tracker)
+                report["traced"] = trace_step(cfg, layout, mesh, parts, optimizers, model.cfg, comm, tracker,
+                                              copy_alike=copy_alike)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
             after = next(iter(tracker.get_tracker_snapshot("current").values()))
         report["memory"] = breakdown(peak)
@@ -140,7 +145,7 @@ def _trace(cfg, world_size: int, rank: int, gpus_per_node: int, *, fake: bool, g
     return report
 
 
-def _deep(cfg, world_size: int, rank: int, gpus_per_node: int, base: dict, say) -> dict:
+def _deep(cfg, world_size: int, rank: int, gpus_per_node: int, base: dict, say, copy_alike: bool) -> dict:
     """The report at the real depth from ``base``, the trace with alike runs cut to KEEP
     blocks: one more trace per run, with that run at KEEP + 1, and every number
     extrapolated (planning/alike_memory.py); or every block traced, when that is as cheap
@@ -148,12 +153,12 @@ def _deep(cfg, world_size: int, rank: int, gpus_per_node: int, base: dict, say) 
     shallow, real = base["shallow"]
     say(f"and again with {KEEP + 1} blocks of each stretch of alike blocks "
         f"({', '.join(str(n) for n in real.values())} blocks), to extrapolate ...")
-    grown = {run: _trace(cfg, world_size, rank, gpus_per_node, fake=True, grow=run)["shallow"][0]
+    grown = {run: _trace(cfg, world_size, rank, gpus_per_node, fake=True, grow=run, copy_alike=copy_alike)["shallow"][0]
              for run in real}
     found = extrapolate(shallow, grown, real)
     if found is None:
         say("the shallow traces do not line up: tracing every block ...")
-        return _trace(cfg, world_size, rank, gpus_per_node, fake=True, grow=None)
+        return _trace(cfg, world_size, rank, gpus_per_node, fake=True, grow=None, copy_alike=copy_alike)
     peak, after, rows, counts = found
     lengths = " + ".join(str(n) for n in real.values())
     del base["shallow"]

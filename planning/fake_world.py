@@ -222,6 +222,7 @@ def peak_only(tracker_cls):
     tensors of DTensor's sharding propagation are not memory (see above)."""
     class PeakOnly(tracker_cls):
         timeline = None  # set: every update is recorded (planning/alike_memory.py)
+        recording = None  # a list: every update's categories, per device (planning/alike_microbatches.py)
 
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
@@ -230,6 +231,8 @@ def peak_only(tracker_cls):
                     self._peak_mem_snap[dev] = dict(snap)
             if self.timeline is not None:
                 self.timeline.record(self._curr_mem_snap)
+            if self.recording is not None:
+                self.recording.append({dev: dict(snap) for dev, snap in self._curr_mem_snap.items()})
 
         def _track(self, reftype, t) -> None:
             if not getattr(_in_sharding_propagation, "on", False):

@@ -22,6 +22,7 @@ from meshtrain.parallel import clip_grad_norm_, loss_parallel_context, submesh
 from meshtrain.parallel.float8 import precompute_float8_scales
 from meshtrain.parallel.grad_clip import _whole_group
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
+from meshtrain.planning.alike_microbatches import Copier, copies
 from meshtrain.planning.schedule import Action, rank_actions, replay_prefix
 from meshtrain.training import recipe
 from meshtrain.training.step import logits_of, loss_function
@@ -88,12 +89,14 @@ def step_loss(cfg):
     return loss_function(chunked=cfg.training.chunked_loss)
 
 
-def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, actions=None) -> str:
+def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, actions=None,
+               copy_alike: bool = True) -> str:
     """One training step of this rank on fake tensors (see the module docstring). Of the
     step's gradient-accumulation micro-batches one is traced: each is the same work and
     frees its activations before the next, so the peak is the same; its collectives are
     counted once per micro-batch. Under a pipeline ``actions`` (default: this rank's
-    schedule, up to its last new state) are the forwards and backwards run. ``comm.phase`` names the
+    schedule, up to its last new state) are the forwards and backwards run, micro-batches alike
+    an earlier one repeating its record unless not ``copy_alike``. ``comm.phase`` names the
     part of the step running, for reports. Returns what was traced, in words."""
     t = cfg.training
     local, accum = layout.local_batch, layout.grad_accum(t.global_batch_size)
@@ -113,7 +116,7 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
         traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
                   f"the others held)" if accum > 1 else f"one micro-batch of {local} sequences")
     else:
-        traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions)
+        traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions, copy_alike)
         traced += f"; x {accum} accumulation steps" if accum > 1 else ""
     comm.scale, comm.phase = (lambda dim, kind: 1), "gradient clipping"
     pp_mesh = submesh(mesh, "pp")
@@ -178,10 +181,13 @@ def pipeline_actions(layout, stage_ids: list[int]) -> list:
     return out
 
 
-def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions=None) -> str:
+def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions=None,
+                    copy_alike: bool = True) -> str:
     """Replay this rank's forwards and backwards (see `pipeline_actions`). As torch's
     PipelineStage does, FSDP neither reshards nor reduces after a backward until the
-    stage's last one, so every local stage's unsharded gradients accumulate meanwhile."""
+    stage's last one, so every local stage's unsharded gradients accumulate meanwhile. A
+    micro-batch alike an earlier one is not traced but repeats its record
+    (planning/alike_microbatches.py), unless not ``copy_alike``."""
     t, n_micro = cfg.training, layout.pp_microbatches
     accum = layout.grad_accum(t.global_batch_size)
     n_stages, mb, seq = len(layout.stage_layers), layout.micro_batch, activation_seq(cfg, layout)
@@ -190,41 +196,51 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     actions = actions or pipeline_actions(layout, list(by_stage))
     forwards = {s: sum(a.kind == "F" and a.stage == s for a in actions) for s in by_stage}
     pending, loss_fn = {}, step_loss(cfg)
+    copied = copies(actions) if copy_alike and tracker is not None else {}
+    copier = Copier(tracker, comm)
+
+    def run(a, part) -> None:
+        """One action; what it holds on to is in ``pending``, its locals die with it."""
+        if a.kind == "F":
+            # The tracker refuses a second top-level call of a module it has seen (it
+            # takes it for the next step); forgetting the stage's root is enough, and
+            # keeps what the pending backwards of other micro-batches look up.
+            if tracker is not None:
+                tracker.memory_tracking.pop(part, None)
+            x = (torch.randint(0, model_cfg.vocab_size, (mb, rank_seq(cfg, layout))) if a.stage == 0 else
+                 torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
+            out = part(x, **packed_inputs(cfg, mb))  # every stage gets them, as in the schedule
+            comm.stage_io[a.stage] = ((tuple(x.shape), x.dtype), (tuple(out.shape), out.dtype))
+            labels = torch.zeros(mb, rank_seq(cfg, layout), dtype=torch.long)
+            pending[a.stage, a.microbatch] = (loss_fn(logits_of(out), labels)
+                                              if a.stage == n_stages - 1 else out), x
+            return
+        out, x = pending.pop((a.stage, a.microbatch))
+        if isinstance(part, FSDPModule):  # as PipelineStage.backward_one_chunk sets them
+            part.set_is_last_backward(False)
+            part.set_reshard_after_backward(False)
+            part.set_requires_gradient_sync(False)
+        out.backward(None if out.ndim == 0 else torch.ones_like(out))
+        # The input's gradient is sent back to the previous stage, then both are dropped.
+        # Free the input's storage too: torch's module tracker keeps the tensor itself
+        # referenced (its grad hooks), which held 32 MiB per micro-batch of a 70B stage.
+        x.grad = None
+        if x.dtype.is_floating_point:
+            x.untyped_storage().resize_(0)
+
     for a in actions:
         part, scale = by_stage[a.stage], n_micro * accum / forwards[a.stage]
         # TP collectives (and expert parallelism's all-to-alls) happen per micro-batch,
         # FSDP's per schedule step (once per accumulation step): scale what was traced to
         # the whole step.
         comm.scale = lambda dim, kind, scale=scale: scale if dim in ("tp", "ep") else accum
-        with loss_parallel_context(loss_parallel):
-            if a.kind == "F":
-                # The tracker refuses a second top-level call of a module it has seen (it
-                # takes it for the next step); forgetting the stage's root is enough, and
-                # keeps what the pending backwards of other micro-batches look up.
-                if tracker is not None:
-                    tracker.memory_tracking.pop(part, None)
-                x = (torch.randint(0, model_cfg.vocab_size, (mb, rank_seq(cfg, layout))) if a.stage == 0 else
-                     torch.randn(mb, seq, model_cfg.dim, dtype=dtype, requires_grad=True))
-                comm.phase = f"forward of stage {a.stage}, micro-batch {a.microbatch}"
-                out = part(x, **packed_inputs(cfg, mb))  # every stage gets them, as in the schedule
-                comm.stage_io[a.stage] = ((tuple(x.shape), x.dtype), (tuple(out.shape), out.dtype))
-                labels = torch.zeros(mb, rank_seq(cfg, layout), dtype=torch.long)
-                pending[a.stage, a.microbatch] = (loss_fn(logits_of(out), labels)
-                                                  if a.stage == n_stages - 1 else out), x
-                continue
-            out, x = pending.pop((a.stage, a.microbatch))
-            comm.phase = f"backward of stage {a.stage}, micro-batch {a.microbatch}"
-            if isinstance(part, FSDPModule):  # as PipelineStage.backward_one_chunk sets them
-                part.set_is_last_backward(False)
-                part.set_reshard_after_backward(False)
-                part.set_requires_gradient_sync(False)
-            out.backward(None if out.ndim == 0 else torch.ones_like(out))
-            # The input's gradient is sent back to the previous stage, then both are dropped.
-            # Free the input's storage too: torch's module tracker keeps the tensor itself
-            # referenced (its grad hooks), which held 32 MiB per micro-batch of a 70B stage.
-            x.grad = None
-            if x.dtype.is_floating_point:
-                x.untyped_storage().resize_(0)
+        comm.phase = f"{'forward' if a.kind == 'F' else 'backward'} of stage {a.stage}, micro-batch {a.microbatch}"
+        key = (a.stage, a.microbatch)
+        if key in copied:
+            copier.copy(a.kind, copied[key], comm.phase)
+            continue
+        with copier.traced(a.kind, key, keep=key in copied.values()), loss_parallel_context(loss_parallel):
+            run(a, part)
     # After the step's last backward the schedule reduces each stage's accumulated
     # gradients (its REDUCE_GRAD action): torch's own method, on each traced stage.
     from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -234,4 +250,9 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     for s, part in parts:
         _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=part), 1)
     held = ", ".join(f"stage {s}: {forwards[s]}" for s in by_stage)
-    return f"{layout.pp_schedule} order of this rank up to its last new state, drained; forwards traced ({held}) of {n_micro} micro-batches"
+    traced = f"{layout.pp_schedule} order of this rank up to its last new state, drained; forwards ({held}) of {n_micro} micro-batches"
+    if copied:
+        counts = ", ".join(f"{sum(a.kind == 'F' and a.stage == s and (s, a.microbatch) not in copied for a in actions)}"
+                           for s in by_stage)
+        traced += f", of which {counts} traced, the others repeating an alike one"
+    return traced

@@ -1,0 +1,145 @@
+"""The dry run's pipeline replay with each kind of micro-batch traced once.
+
+A pipeline rank's replay (planning/schedule.py `replay_prefix`) runs every forward its
+schedule keeps in flight: Interleaved1F1B at pp 8 holds 24 micro-batches of each of a
+rank's two stages, and tracing them was most of a 405B dry run's time. What one forward
+or backward does to memory and traffic is set by its stage and by that stage's own
+history, not by which micro-batch it carries: whether the stage has had its first
+backward (from then on its unsharded gradients exist and accumulate) and what the stage
+ran last (a backward leaves it gathered; a forward, under FULL_SHARD, resharded). Those
+are the states `replay_prefix` follows too.
+
+So a micro-batch whose forward and backward meet the same histories as an earlier traced
+micro-batch of its stage does what that one did: its forward moves every category of the
+tracker's memory through the same updates from where it starts, its backward frees the
+same bytes again, and both dispatch the same collectives. It is not traced (`copies`):
+the tracker's memory takes the recorded updates of the traced one, each of them (for the
+peak, and for planning/alike_memory.py's timeline), and its collectives are counted again
+(`Copier`). The micro-batches that are traced keep, among themselves, every action's
+history as it is in the whole list, so each traced action runs what it would run in the
+whole step. tests/test_alike_microbatches.py checks the report equals tracing every
+micro-batch, byte for byte, on every schedule the dry run replays.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+def histories(actions) -> list[tuple]:
+    """Per action: (kind, stage, whether the stage ran a backward before, the kind of the
+    stage's previous action or None, how many of this kind the stage ran before: 0, 1 or
+    more). The count: a stage's first forward gathers it, and its second meets what the
+    first left (the memory tracker files the gathered weights under parameters then)."""
+    last, begun, ran, out = {}, set(), {}, []
+    for a in actions:
+        out.append((a.kind, a.stage, a.stage in begun, last.get(a.stage), min(ran.get((a.kind, a.stage), 0), 2)))
+        last[a.stage] = a.kind
+        ran[a.kind, a.stage] = ran.get((a.kind, a.stage), 0) + 1
+        if a.kind == "B":
+            begun.add(a.stage)
+    return out
+
+
+def copies(actions) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(stage, micro-batch) not traced: the traced (stage, micro-batch) it repeats}. A
+    micro-batch repeats an earlier traced one of its stage whose forward and backward have
+    the same histories and come before its own. Every action still traced must keep its
+    history: in a steady state of alternating forwards and backwards, leaving one
+    micro-batch out leaves two forwards side by side, so the micro-batch whose forward
+    follows the left-out backward is left out with it, and so on down the chain."""
+    where = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(actions)}
+    whole = histories(actions)
+    pair = lambda key: (whole[where["F", *key]], whole[where["B", *key]])
+    order = [(a.stage, a.microbatch) for a in actions if a.kind == "F" and ("B", a.stage, a.microbatch) in where]
+    out: dict = {}
+
+    def like(key, trial):
+        return next((t for t in order if t[0] == key[0] and t != key and t not in out and t not in trial
+                     and pair(t) == pair(key) and where["F", *t] < where["F", *key]
+                     and where["B", *t] < where["B", *key]), None)
+
+    for first in order:
+        trial, key = {}, first
+        while key not in out and key not in trial and key not in out.values():
+            trial[key] = like(key, trial)
+            if trial[key] is None or trial[key] in trial:
+                break
+            kept = [i for i, a in enumerate(actions) if (a.stage, a.microbatch) not in out | trial.keys()]
+            broken = next((i for i, h in zip(kept, histories([actions[i] for i in kept])) if h != whole[i]), None)
+            if broken is None:
+                out.update(trial)
+                break
+            key = (actions[broken].stage, actions[broken].microbatch)
+    return out
+
+
+@dataclass
+class Record:
+    """What one traced action did: the tracker's memory at each update, less its memory
+    when the action began (per device, per category); the timeline's tags (or None); its
+    change over the whole action; the collectives it counted, as `CommStats.add` got them."""
+    updates: list
+    tags: list | None
+    net: dict
+    collectives: list
+
+
+def _less(snap: dict, base: dict) -> dict:
+    return {dev: {k: v - base.get(dev, {}).get(k, 0) for k, v in cats.items()} for dev, cats in snap.items()}
+
+
+def _plus(base: dict, delta: dict) -> dict:
+    out = {dev: dict(cats) for dev, cats in base.items()}
+    for dev, cats in delta.items():
+        mine = out.setdefault(dev, {})
+        for k, v in cats.items():
+            mine[k] = mine.get(k, 0) + v
+    return out
+
+
+class Copier:
+    """Records traced actions (`traced`) and plays their records for the copies (`copy`)
+    on the memory tracker (planning/fake_world.py `peak_only`) and the collective counter."""
+
+    def __init__(self, tracker, comm):
+        self.tracker, self.comm, self.records = tracker, comm, {}
+
+    def _now(self) -> dict:
+        return {dev: dict(cats) for dev, cats in self.tracker._curr_mem_snap.items()}
+
+    @contextmanager
+    def traced(self, kind: str, key: tuple[int, int], keep: bool):
+        if not keep:
+            yield
+            return
+        t, start = self.tracker, self._now()
+        mark = len(t.timeline.tags) if t.timeline is not None else None
+        t.recording, self.comm.stats.log = [], []
+        try:
+            yield
+        finally:
+            updates, collectives = t.recording, self.comm.stats.log
+            t.recording = self.comm.stats.log = None
+        self.records[kind, key] = Record([_less(u, start) for u in updates],
+                                         t.timeline.tags[mark:] if mark is not None else None,
+                                         _less(self._now(), start), collectives)
+
+    def copy(self, kind: str, like: tuple[int, int], phase: str) -> None:
+        """Play the record of ``like``'s action of ``kind`` from the memory there is now;
+        ``phase``: the copy's name in the timeline's tags."""
+        t, record = self.tracker, self.records[kind, like]
+        start = self._now()
+        for k, delta in enumerate(record.updates):
+            now = _plus(start, delta)
+            for dev, cats in now.items():  # as the tracker's own peak update
+                if t._peak_mem.get(dev, 0) < cats["Total"]:
+                    t._peak_mem[dev], t._peak_mem_snap[dev] = cats["Total"], dict(cats)
+            if record.tags is not None:
+                t.timeline.tags.append((phase, record.tags[k][1]))
+                t.timeline.snaps.append(dict(next(iter(now.values()), {})))
+        t._curr_mem_snap.clear()
+        t._curr_mem_snap.update(_plus(start, record.net))
+        for args in record.collectives:
+            self.comm.stats.add(*args)
