@@ -43,8 +43,8 @@ class Timeline:
     def __init__(self, tag):
         self.tag, self.tags, self.snaps = tag, [], []
 
-    def record(self, current: dict) -> None:
-        self.tags.append(self.tag())
+    def record(self, current: dict, tag=None) -> None:
+        self.tags.append(self.tag() if tag is None else tag)
         self.snaps.append(dict(next(iter(current.values()), {})))
 
 

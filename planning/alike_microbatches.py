@@ -132,13 +132,7 @@ class Copier:
         t, record = self.tracker, self.records[kind, like]
         start = self._now()
         for k, delta in enumerate(record.updates):
-            now = _plus(start, delta)
-            for dev, cats in now.items():  # as the tracker's own peak update
-                if t._peak_mem.get(dev, 0) < cats["Total"]:
-                    t._peak_mem[dev], t._peak_mem_snap[dev] = cats["Total"], dict(cats)
-            if record.tags is not None:
-                t.timeline.tags.append((phase, record.tags[k][1]))
-                t.timeline.snaps.append(dict(next(iter(now.values()), {})))
+            t.note(_plus(start, delta), (phase, record.tags[k][1]) if record.tags is not None else None)
         t._curr_mem_snap.clear()
         t._curr_mem_snap.update(_plus(start, record.net))
         for args in record.collectives:

@@ -225,14 +225,20 @@ def peak_only(tracker_cls):
         recording = None  # a list: every update's categories, per device (planning/alike_microbatches.py)
 
         def _update_peak_stats(self, peak_state) -> None:
-            for dev, snap in self._curr_mem_snap.items():
+            self.note(self._curr_mem_snap)
+
+        def note(self, current: dict, tag=None) -> None:
+            """After an update to ``current`` (categories per device): the peak, the
+            timeline (under ``tag`` if given, else the timeline's own) and the recording.
+            A repeated micro-batch's updates come here too (planning/alike_microbatches.py)."""
+            for dev, snap in current.items():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
             if self.timeline is not None:
-                self.timeline.record(self._curr_mem_snap)
+                self.timeline.record(current, tag)
             if self.recording is not None:
-                self.recording.append({dev: dict(snap) for dev, snap in self._curr_mem_snap.items()})
+                self.recording.append({dev: dict(snap) for dev, snap in current.items()})
 
         def _track(self, reftype, t) -> None:
             if not getattr(_in_sharding_propagation, "on", False):

@@ -197,7 +197,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     forwards = {s: sum(a.kind == "F" and a.stage == s for a in actions) for s in by_stage}
     pending, loss_fn = {}, step_loss(cfg)
     copied = copies(actions) if copy_alike and tracker is not None else {}
-    copier = Copier(tracker, comm)
+    copier, templates = Copier(tracker, comm), set(copied.values())
 
     def run(a, part) -> None:
         """One action; what it holds on to is in ``pending``, its locals die with it."""
@@ -239,7 +239,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
         if key in copied:
             copier.copy(a.kind, copied[key], comm.phase)
             continue
-        with copier.traced(a.kind, key, keep=key in copied.values()), loss_parallel_context(loss_parallel):
+        with copier.traced(a.kind, key, keep=key in templates), loss_parallel_context(loss_parallel):
             run(a, part)
     # After the step's last backward the schedule reduces each stage's accumulated
     # gradients (its REDUCE_GRAD action): torch's own method, on each traced stage.
