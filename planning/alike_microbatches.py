@@ -62,9 +62,10 @@ def copies(actions) -> dict[tuple[int, int], tuple[int, int]]:
 
     for first in order:
         trial, key = {}, first
-        while key not in out and key not in trial and key not in out.values():
+        # a micro-batch already left out, or traced for another to repeat, ends the chain
+        while key not in out and key not in trial and key not in {*out.values(), *trial.values()}:
             trial[key] = like(key, trial)
-            if trial[key] is None or trial[key] in trial:
+            if trial[key] is None:
                 break
             kept = [i for i, a in enumerate(actions) if (a.stage, a.microbatch) not in out | trial.keys()]
             broken = next((i for i, h in zip(kept, histories([actions[i] for i in kept])) if h != whole[i]), None)
