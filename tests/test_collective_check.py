@@ -377,3 +377,60 @@ def test_meshtrain_check_runs_the_collective_check_without_the_dry_runs_memory_t
     out = capsys.readouterr().out
     assert "every group's members issue the same sequence" in out, out
     assert "peak" not in out.lower(), out  # the dry run's memory report: `meshtrain dry-run --check-collectives`
+
+
+def test_ranks_traced_in_forked_processes_give_what_tracing_them_here_gives(monkeypatch):
+    # Each traced rank's step is independent of the others: `check_collectives` traces them
+    # in one process per core. A child must trace the rank it is given (not the parent's
+    # last one) and send back all of it; the pid shows the children really ran them.
+    import os
+
+    from meshtrain.planning import collective_check
+    from meshtrain.planning.fake_world import one_thread
+
+    traced = collective_check.trace_rank
+
+    def noting_the_process(*args, **kwargs):
+        trace, layout = traced(*args, **kwargs)
+        trace.pid = os.getpid()
+        return trace, layout
+
+    monkeypatch.setattr(collective_check, "trace_rank", noting_the_process)
+    cfg, ranks = load_config("debug_3d"), [4, 2, 7]  # pp 2 x dp 2 x tp 2: both stages, three roles
+    with one_thread():
+        here = collective_check.trace_ranks(cfg, 8, ranks, 8, jobs=1)
+        forked = collective_check.trace_ranks(cfg, 8, ranks, 8, jobs=2)
+    assert [t.rank for t in forked] == ranks
+    assert {t.pid for t in here} == {os.getpid()} and os.getpid() not in {t.pid for t in forked}
+    for a, b in zip(here, forked):
+        assert (a.coords, a.calls, a.labels, a.stage_io) == (b.coords, b.calls, b.labels, b.stage_io)
+        assert a.partitions.keys() == b.partitions.keys()
+        assert all(torch.equal(a.partitions[k], b.partitions[k]) for k in a.partitions if a.partitions[k] is not None)
+    assert here[0].calls != here[1].calls  # the ranks' traces differ: a child tracing the wrong rank shows
+    assert not dist.is_initialized()
+
+
+def test_a_forked_tracer_takes_signals_itself_not_through_the_start_up_watcher():
+    # train.py's start-up handler sends signals through a pipe to a watcher thread that ends
+    # the process if the main thread seems blocked. A forked child has no watcher: left as
+    # is, the child's SIGTERM (the pool ending it) would reach the parent's watcher.
+    import multiprocessing
+    import signal
+
+    from meshtrain.training import startup_signals
+
+    previous = startup_signals.install(on_blocked=lambda stop: None)
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            handler, wakeup = pool.apply(_signal_state)
+        assert (handler, wakeup) == (signal.SIG_DFL, -1)
+        assert signal.getsignal(signal.SIGTERM) is startup_signals._handle  # the parent keeps its own
+    finally:
+        startup_signals.restore(previous)
+
+
+def _signal_state():
+    import signal
+
+    wakeup = signal.set_wakeup_fd(-1)
+    return signal.getsignal(signal.SIGTERM), wakeup

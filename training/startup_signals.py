@@ -28,6 +28,7 @@ import time
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 BLOCKED_GRACE = 2.0  # seconds: a main thread running Python takes microseconds to handle a signal
+WATCHER = "meshtrain-startup-signals"  # the watcher thread's name; it holds no lock, so a fork may copy it
 
 
 class StoppedBySignal(BaseException):
@@ -84,7 +85,7 @@ def install(on_blocked=None) -> dict:
         if _State.wakeup is None:
             read, _State.wakeup = os.pipe()
             os.set_blocking(_State.wakeup, False)
-            threading.Thread(target=_watch, args=(read,), name="meshtrain-startup-signals", daemon=True).start()
+            threading.Thread(target=_watch, args=(read,), name=WATCHER, daemon=True).start()
         signal.set_wakeup_fd(_State.wakeup, warn_on_full_buffer=False)
     return previous
 
@@ -100,6 +101,22 @@ def _watch(read: int) -> None:
                 and signal.getsignal(signum) is _handle):
             _State.fired = True
             _State.on_blocked(StoppedBySignal(signum, "start-up"))
+
+
+def _forked_child() -> None:
+    """A forked child (the collective check's tracing processes) has no watcher: its signals
+    take their default action instead of writing to the parent's pipe, whose watcher would
+    take the parent for blocked and end it."""
+    if _State.wakeup is None and _State.on_blocked is None:
+        return
+    _State.on_blocked = None
+    for sig in SIGNALS:
+        if signal.getsignal(sig) is _handle:
+            signal.signal(sig, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def restore(previous: dict) -> None:
