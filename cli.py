@@ -65,7 +65,8 @@ def run_command(name: str, argv: list[str]) -> int:
         flags = ["--check-collectives"] if name == "check" else ["--dry-run"]
         if {"-h", "--help"} & set(argv):
             print(f"usage: meshtrain {name} --config NAME --world-size N [--rank R] [--gpus-per-node G] "
-                  f"[--gpu h100-80gb] [--section.key VALUE ...]\n\n{COMMANDS[name]}.\n"
+                  f"[--gpu h100-80gb] [--jobs J] [--section.key VALUE ...]\n\n{COMMANDS[name]}.\n"
+                  f"--jobs: processes tracing ranks at once (default: the cores this process may use).\n"
                   f"Every config key (see meshtrain train --help) can be overridden.")
             return 0
         return train.run([*argv, *flags])

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.check_collectives:
             from meshtrain.planning.collective_check import check_collectives
 
-            hangs = check_collectives(cfg, world_size, args.gpus_per_node)
+            hangs = check_collectives(cfg, world_size, args.gpus_per_node, jobs=args.jobs)
         if report.get("fits") is False or hangs:
             raise SystemExit(1)
         return

@@ -396,7 +396,7 @@ def test_a_setting_outside_any_section_is_refused(workdir, key, value):
 
 @fuzz(40)
 @given(case=st.one_of(
-    st.tuples(st.just("int"), st.sampled_from(["--world-size", "--rank", "--gpus-per-node"]),
+    st.tuples(st.just("int"), st.sampled_from(["--world-size", "--rank", "--gpus-per-node", "--jobs"]),
               st.one_of(NOT_NUMBERS, st.integers(-10, 0).map(str), st.sampled_from(["²", "-1", "+3", " 2"]))),
     st.tuples(st.just("unknown"), IDENT.map(lambda s: "--" + s), st.just("")),
     st.tuples(st.just("novalue"), st.sampled_from(["--print-config", "--dry-run", "--debug"]), TEXT),
@@ -410,7 +410,7 @@ def test_bad_flags_are_refused_by_name(case):
         assume(not (value.isdecimal() and int(value) >= least))
         msg = assert_clean_failure(invoke([f"{flag}={value}"]), f"{flag}={value} must be an integer >= {least}")
     elif kind == "unknown":
-        assume(flag not in ("--config", "--gpu", "--world-size", "--rank", "--gpus-per-node", "--help",
+        assume(flag not in ("--config", "--gpu", "--world-size", "--rank", "--gpus-per-node", "--jobs", "--help",
                             "--print-config", "--dry-run", "--debug"))
         msg = assert_clean_failure(invoke([flag]), f"unknown flag {flag}", "--config NAME_OR_PATH")
     elif kind == "novalue":

@@ -370,6 +370,8 @@ def test_unknown_flag_is_an_error():
 def test_world_size_must_be_a_positive_integer():
     assert "--world-size=abc must be an integer >= 1" in error(parse_args, ["--world-size", "abc"])
     assert "--rank=-1 must be an integer >= 0" in error(parse_args, ["--rank=-1"])
+    assert "--jobs=0 must be an integer >= 1" in error(parse_args, ["--jobs", "0"])
+    assert parse_args(["--check-collectives", "--jobs=3"])[1].jobs == 3
 
 
 def test_help_prints_every_key_and_exits(capsys):

@@ -549,7 +549,7 @@ def format_help(prog: str = "train.py", launcher: str = "") -> str:
              f"       {prog} --config NAME --dry-run [--world-size N] [--rank R] [--gpus-per-node G] [--gpu h100-80gb]",
              f"       {pad}  (trace one step of rank R at world size N on a fake process group: mesh,",
              f"       {pad}   memory breakdown, communication; no GPU needed)",
-             f"       {prog} --config NAME --world-size N --check-collectives [--dry-run]",
+             f"       {prog} --config NAME --world-size N --check-collectives [--dry-run] [--jobs J]",
              f"       {pad}  (check that every process group's members issue the same collectives, and",
              f"       {pad}   every pipeline receive meets its send: no hang at launch; after the dry run's",
              f"       {pad}   report with --dry-run)", ""]
@@ -577,12 +577,14 @@ class CliArgs:
     gpus_per_node: int = 8            # --dry-run / --check-collectives: which node each rank lands on
     gpu: str = ""                     # --dry-run: compare the peak with this GPU's memory
     check_collectives: bool = False   # trace representative ranks on a fake world, compare their collectives
+    jobs: int | None = None           # --check-collectives: processes tracing at once (default: this machine's cores)
     overrides: list[str] = field(default_factory=list)
 
 
 _FLAGS = ("--config NAME_OR_PATH", "--print-config", "--debug", "--dry-run", "--world-size N", "--rank R",
-          "--gpus-per-node G", "--gpu NAME", "--check-collectives")
-_INT_FLAGS = {"--world-size": ("world_size", 1), "--rank": ("rank", 0), "--gpus-per-node": ("gpus_per_node", 1)}
+          "--gpus-per-node G", "--gpu NAME", "--check-collectives", "--jobs J")
+_INT_FLAGS = {"--world-size": ("world_size", 1), "--rank": ("rank", 0), "--gpus-per-node": ("gpus_per_node", 1),
+              "--jobs": ("jobs", 1)}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, CliArgs]:
