@@ -24,14 +24,14 @@ attention keeps no s x s term). Parameters and their gradients are not activatio
 probe runs without FSDP and asks autograd for the activations' gradients only; FSDP's
 gathered units and gradients are counted in planning/memory.py from the parameter counts.
 Profiles are cached per key, so a search over hundreds of layouts traces each (sequence,
-tp, AC mode) once, in about a second.
+tp, AC mode) once, in about a second; the search traces the ones it will need first, one
+process per core (`trace_probes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -73,9 +73,9 @@ class ActivationProfile:
         return sum(self.blocks[j % period] for j in range(n_blocks))
 
 
-def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
-                chunked_loss: bool = False) -> "ActivationProfile | None":
-    """The profile of a planner ModelShape's block at ``seq_len`` tokens per rank, or None
+def probe_key(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
+              chunked_loss: bool = False) -> ProbeKey | None:
+    """The probe of a planner ModelShape's block at ``seq_len`` tokens per rank, or None
     for a family that cannot build a short copy of itself from a flavor (hf)."""
     from meshtrain.models import registry
 
@@ -85,18 +85,42 @@ def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
     c = dataclasses.replace(family.flavors[model.flavor], **dict(model.dims))
     if (c.dim, c.n_heads, c.ffn_hidden) != (model.dim, model.n_heads, model.ffn_hidden):
         return None  # a config that changes the flavor's shape: the probe would trace another block
-    return activation_profile(ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac,
-                                       lora=lora, dims=model.dims, experts=model.moe_layers > 0,
-                                       chunked_loss=chunked_loss))
+    return ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac, lora=lora,
+                    dims=model.dims, experts=model.moe_layers > 0, chunked_loss=chunked_loss)
+
+
+def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
+                chunked_loss: bool = False) -> "ActivationProfile | None":
+    """`activation_profile` of `probe_key`'s probe; None where there is none."""
+    key = probe_key(model, seq_len, tp, ac, lora, chunked_loss)
+    return None if key is None else activation_profile(key)
 
 
 def period_of(key: ProbeKey) -> int:
     return key.ac_every if key.ac == "selective" else 1
 
 
-@lru_cache(maxsize=None)
+_profiles: dict[ProbeKey, ActivationProfile] = {}  # every probe traced in this process, or sent by a child
+
+
+def trace_probes(keys, jobs: int | None = None) -> None:
+    """Trace the probes of ``keys`` not traced yet, one forked process per core
+    (planning/forked.py): a layout search needs a dozen or more, each independent."""
+    from meshtrain.planning.forked import map_forked
+
+    todo = sorted(set(keys) - set(_profiles) - {None}, key=repr)
+    for key, profile in zip(todo, map_forked(activation_profile, todo, jobs)):
+        _profiles[key] = profile
+
+
 def activation_profile(key: ProbeKey) -> ActivationProfile:
-    """Trace the probe for ``key`` (see the module docstring); cached per key."""
+    """The probe for ``key`` (see the module docstring), traced once per key."""
+    if key not in _profiles:
+        _profiles[key] = _traced_profile(key)
+    return _profiles[key]
+
+
+def _traced_profile(key: ProbeKey) -> ActivationProfile:
     import torch.distributed as dist
 
     from meshtrain.planning.fake_world import init_fake_world, sharding_propagation_untracked

@@ -26,8 +26,8 @@ three alike blocks is traced with three and its sequence expanded to all of them
    out over all pp ranks with the stage placement the run uses: every receive must meet
    its send, or the ranks left waiting are named.
 
-The traced ranks are independent: they are traced in as many processes as this machine
-gives the check (`jobs`; forked, so the config and anything set up before are shared).
+The traced ranks are independent: after rank 0, which gives the layout, they are traced in
+one forked process per core (`jobs`, planning/forked.py).
 
 What it cannot see: branches on data values (fake tensors have none) and an untraced rank
 that behaves unlike the traced rank of its pp coordinate.
@@ -35,23 +35,20 @@ that behaves unlike the traced rank of its pp coordinate.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import threading
 import time
 
-import torch
 import torch.distributed as dist
 
 from meshtrain.planning.alike_blocks import BlockTags, collapse, expand
 from meshtrain.planning.collective_compare import (_short, compare_groups, compare_stage_boundaries,
                                                    play_schedule)
 from meshtrain.planning.collective_record import Call, RankTrace, RecordCollectives, partition
+from meshtrain.planning.forked import map_forked
 from meshtrain.planning.representative_ranks import coordinates, rank_of, representatives, stands_for
 
 __all__ = ["Call", "RankTrace", "RecordCollectives", "partition", "coordinates", "rank_of", "representatives",
            "stands_for", "compare_groups", "compare_stage_boundaries", "play_schedule", "trace_rank",
-           "trace_ranks", "default_jobs", "check_collectives"]
+           "trace_ranks", "check_collectives"]
 
 
 def one_microbatch(stage_ids: list[int]) -> list:
@@ -103,41 +100,12 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int, *,
     return trace, layout
 
 
-def default_jobs() -> int:
-    """The cores this process may run on, when it may fork: forking while another Python
-    thread runs can copy a lock that thread holds (a logging handler's, a queue's) into
-    the child, held forever. One otherwise. (train.py's start-up signal watcher holds no
-    lock: it waits in a read.)"""
-    from meshtrain.training.startup_signals import WATCHER
-
-    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.name != WATCHER]
-    if others or "fork" not in multiprocessing.get_all_start_methods():
-        return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-_job = None  # (cfg, world_size, gpus_per_node, every_block): what a forked child traces with
-
-
-def _trace_in_child(rank: int) -> RankTrace:
-    torch.set_num_threads(1)  # one_thread's setting; one process per core
-    cfg, world_size, gpus_per_node, every_block = _job
-    return trace_rank(cfg, world_size, rank, gpus_per_node, every_block=every_block)[0]
-
-
 def trace_ranks(cfg, world_size: int, ranks: list[int], gpus_per_node: int, *, every_block: bool = False,
-                jobs: int = 1) -> list[RankTrace]:
-    """`trace_rank` of each of ``ranks``, in rank order, in ``jobs`` forked processes (here if 1)."""
-    global _job
-    jobs = min(jobs, len(ranks))
-    if jobs <= 1:
-        return [trace_rank(cfg, world_size, r, gpus_per_node, every_block=every_block)[0] for r in ranks]
-    _job = (cfg, world_size, gpus_per_node, every_block)
-    try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            return pool.map(_trace_in_child, ranks, chunksize=1)
-    finally:
-        _job = None
+                jobs: int | None = 1) -> list[RankTrace]:
+    """`trace_rank` of each of ``ranks``, in rank order, in ``jobs`` forked processes
+    (planning/forked.py; None: one per core)."""
+    return map_forked(lambda rank: trace_rank(cfg, world_size, rank, gpus_per_node, every_block=every_block)[0],
+                      ranks, jobs)
 
 
 def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, exhaustive: bool = False,
@@ -145,7 +113,7 @@ def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, exhaustiv
     """Trace the representative ranks (every rank, with every block, if ``exhaustive``:
     small worlds, the reference the derivations are tested against) and run the three checks; the problems
     found, each in one line (empty: no hang found). ``shown``: how many are printed. ``jobs``:
-    processes tracing at once (default: `default_jobs`)."""
+    processes tracing at once (default: one per core, planning/forked.py)."""
     from meshtrain.planning.fake_world import one_thread
 
     started = time.perf_counter()
@@ -155,7 +123,7 @@ def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, exhaustiv
         say(f"meshtrain collective check: tracing {len(ranks)} " +
             ("ranks (every one)" if exhaustive else f"representative ranks of {world_size}: {_short(ranks)}"))
         traces = [first] + trace_ranks(cfg, world_size, ranks[1:], gpus_per_node, every_block=exhaustive,
-                                       jobs=default_jobs() if jobs is None else jobs)
+                                       jobs=jobs)
         problems = (compare_groups(traces, stands_for(layout, ranks)) + compare_stage_boundaries(traces)
                     + play_schedule(layout))
     n_groups = sum(int(rows.shape[0]) for rows in {lab: rows for t in traces for lab, rows in t.partitions.items()

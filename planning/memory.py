@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.planning import muon
-from meshtrain.planning.activations import profile_for
+from meshtrain.planning.activations import ProbeKey, activation_profile, probe_key
 from meshtrain.planning.kernels import gated
 from meshtrain.planning.schedule import replayed_actions
 from meshtrain.planning.shape import Job, ModelShape, keeps_gathered, rank_batch, shard_degree
@@ -164,11 +164,18 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float
     return (2 * BF16 + BF16 + FP32) * unit
 
 
+def probe_of(job: Job, lay: ParallelDims) -> ProbeKey | None:
+    """The activation probe a layout's memory reads (planning/activations.py); None for a
+    family without one (its activations come from formulas)."""
+    return probe_key(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora, job.chunked_loss)
+
+
 def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
     """Peak bytes per GPU on the worst pipeline rank (the one with the largest total).
     Activations come from a traced probe of two blocks (planning/activations.py) where the
     family can build one; otherwise from the formulas above."""
-    prof = profile_for(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora, job.chunked_loss)
+    key = probe_of(job, lay)
+    prof = None if key is None else activation_profile(key)
     worst = None
     for r, share in enumerate(rank_shares(job, lay)):
         if prof is not None:

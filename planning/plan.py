@@ -99,6 +99,9 @@ def parse_args(argv):
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="dry-run the top K layouts at full world size (meshtrain dry-run, fake tensors: "
                         "tens of seconds each for 70B) and re-rank them by traced memory")
+    p.add_argument("--jobs", type=int, default=None, metavar="J",
+                   help="processes tracing probes and judging layouts at once (default: the cores this "
+                        "process may use)")
     return p.parse_args(argv)
 
 
@@ -122,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.verify < 0:
         raise PlanError("--verify must be at least 0")
-    for flag in ("nodes", "gpus_per_node", "seq_len", "global_batch", "top"):
-        if getattr(args, flag) < 1:
+    for flag in ("nodes", "gpus_per_node", "seq_len", "global_batch", "top", "jobs"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise PlanError(f"--{flag.replace('_', '-')} must be at least 1")
     world = args.nodes * args.gpus_per_node
     if world < 2:
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
                         f"learned positions, which train.py refuses; use --seq-len <= {job.model.max_positions}")
 
-    fitting, smallest, rejected = plan(job)
+    fitting, smallest, rejected = plan(job, jobs=args.jobs)
     n = job.model.n_params
     size = (f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M") + " params"
     if job.model.moe_layers:

@@ -10,6 +10,7 @@ train.py checks its config with; estimates the rest (planning/estimate.py).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 from meshtrain.parallel.context_parallel import check_cp_fits
@@ -18,8 +19,10 @@ from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.mesh import LayoutError, check_tp_fits
 from meshtrain.parallel.vocabulary import AC_MODES, STRATEGIES, default_stages_per_rank
 from meshtrain.physics.gpus import usable_bytes
+from meshtrain.planning.activations import trace_probes
 from meshtrain.planning.estimate import Estimate, estimate
-from meshtrain.planning.memory import memory_per_gpu
+from meshtrain.planning.forked import map_forked
+from meshtrain.planning.memory import memory_per_gpu, probe_of
 from meshtrain.planning.shape import PLANNED_SCHEDULES, Job
 
 # Context parallelism is tried from this sequence length on: below it a sequence's
@@ -92,22 +95,43 @@ def candidates(job: Job):
                                                        stages_per_rank=v)
 
 
-def plan(job: Job) -> tuple[list[Estimate], Estimate | None, Counter]:
+PIECE = 256  # layouts judged by one forked process at a time
+
+
+def _judge(job: Job, lay: ParallelDims, budget: float) -> tuple[str, object]:
+    """("rejected", the rule broken), ("fits", its estimate) or ("over", its peak bytes)."""
+    try:
+        total = memory_per_gpu(job, lay).total
+    except LayoutError as err:
+        return "rejected", str(err).split(":")[0]
+    return ("fits", estimate(job, lay)) if total <= budget else ("over", total)
+
+
+def plan(job: Job, jobs: int | None = None) -> tuple[list[Estimate], Estimate | None, Counter]:
     """(the layouts that fit, fastest first; when none fits, the one needing the least
-    memory; how many candidates each rule rejected)."""
+    memory; how many candidates each rule rejected). ``jobs``: processes at once (default:
+    one per core, planning/forked.py)."""
     budget = usable_bytes(job.gpu)
-    fitting, smallest, rejected = [], None, Counter()
+    fitting, smallest, rejected, layouts = [], None, Counter(), []
     for lay in candidates(job):
         try:
             check_layout(job, lay)
-            total = memory_per_gpu(job, lay).total
         except LayoutError as err:
             rejected[str(err).split(":")[0]] += 1
             continue
-        if total <= budget:
-            fitting.append(estimate(job, lay))
-        elif smallest is None or total < smallest[0]:
-            smallest = (total, lay)
+        layouts.append(lay)
+    # The activation probes these layouts' memory reads, each traced once, then the layouts
+    # themselves: both independent, one forked process per core (planning/forked.py).
+    trace_probes((probe_of(job, lay) for lay in layouts), jobs)
+    pieces = [layouts[i:i + PIECE] for i in range(0, len(layouts), PIECE)]
+    judged = map_forked(lambda piece: [_judge(job, lay, budget) for lay in piece], pieces, jobs)
+    for lay, (verdict, value) in zip(layouts, itertools.chain.from_iterable(judged)):
+        if verdict == "rejected":
+            rejected[value] += 1
+        elif verdict == "fits":
+            fitting.append(value)
+        elif smallest is None or value < smallest[0]:
+            smallest = (value, lay)
     # Ties (common: hidden FSDP traffic costs nothing here) go to less memory, then fewer bytes.
     fitting.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.memory.total, sum(e.comm_bytes.values())))
     return fitting, (estimate(job, smallest[1]) if not fitting and smallest else None), rejected

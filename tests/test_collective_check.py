@@ -408,29 +408,3 @@ def test_ranks_traced_in_forked_processes_give_what_tracing_them_here_gives(monk
         assert all(torch.equal(a.partitions[k], b.partitions[k]) for k in a.partitions if a.partitions[k] is not None)
     assert here[0].calls != here[1].calls  # the ranks' traces differ: a child tracing the wrong rank shows
     assert not dist.is_initialized()
-
-
-def test_a_forked_tracer_takes_signals_itself_not_through_the_start_up_watcher():
-    # train.py's start-up handler sends signals through a pipe to a watcher thread that ends
-    # the process if the main thread seems blocked. A forked child has no watcher: left as
-    # is, the child's SIGTERM (the pool ending it) would reach the parent's watcher.
-    import multiprocessing
-    import signal
-
-    from meshtrain.training import startup_signals
-
-    previous = startup_signals.install(on_blocked=lambda stop: None)
-    try:
-        with multiprocessing.get_context("fork").Pool(1) as pool:
-            handler, wakeup = pool.apply(_signal_state)
-        assert (handler, wakeup) == (signal.SIG_DFL, -1)
-        assert signal.getsignal(signal.SIGTERM) is startup_signals._handle  # the parent keeps its own
-    finally:
-        startup_signals.restore(previous)
-
-
-def _signal_state():
-    import signal
-
-    wakeup = signal.set_wakeup_fd(-1)
-    return signal.getsignal(signal.SIGTERM), wakeup

@@ -302,6 +302,7 @@ def test_cli_prints_a_table_and_writes_a_loadable_config(tmp_path):
     (["--gpu", "v100"], "unknown GPU 'v100'"),
     (["--global-batch", "7"], "--global-batch 7 is not divisible"),
     (["--gpus-per-node", "1"], "FSDP needs at least 2"),
+    (["--jobs", "0"], "--jobs must be at least 1"),
 ])
 def test_cli_errors_exit_2_without_a_traceback(args, message, capsys):
     base = {"--model": "8B", "--nodes": "1", "--gpus-per-node": "8", "--gpu": "h100",
