@@ -101,7 +101,7 @@ def trace_rank(cfg, world_size: int, rank: int, gpus_per_node: int, *,
 
 
 def trace_ranks(cfg, world_size: int, ranks: list[int], gpus_per_node: int, *, every_block: bool = False,
-                jobs: int | None = 1) -> list[RankTrace]:
+                jobs: int | None = None) -> list[RankTrace]:
     """`trace_rank` of each of ``ranks``, in rank order, in ``jobs`` forked processes
     (planning/forked.py; None: one per core)."""
     return map_forked(lambda rank: trace_rank(cfg, world_size, rank, gpus_per_node, every_block=every_block)[0],

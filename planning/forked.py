@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 
 import torch
@@ -19,16 +20,17 @@ _work = None  # (fn, items): what a forked child reads, inherited
 
 
 def default_jobs() -> int:
-    """The cores this process may run on, when it may fork: forking while another Python
-    thread runs can copy a lock that thread holds (a logging handler's, a queue's) into
-    the child, held forever. One otherwise. (train.py's start-up signal watcher holds no
-    lock: it waits in a read.)"""
+    """The cores this process may run on, on Linux, when it may fork; one otherwise.
+    Forking while another Python thread runs can copy a lock that thread holds (a logging
+    handler's, a queue's) into the child, held forever (train.py's start-up signal watcher
+    holds none: it waits in a read). macOS's system libraries are not safe to fork, which
+    is why Python starts its processes there by spawning (seconds of importing torch)."""
     from meshtrain.training.startup_signals import WATCHER
 
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.name != WATCHER]
-    if others or "fork" not in multiprocessing.get_all_start_methods():
+    if others or not sys.platform.startswith("linux"):
         return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return len(os.sched_getaffinity(0))
 
 
 def _run(i: int):

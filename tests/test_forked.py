@@ -24,6 +24,23 @@ def test_each_result_comes_back_in_order_from_the_forked_processes():
     assert {pid for _, pid in map_forked(lambda x: (x, os.getpid()), range(3), jobs=1)} == {parent}
 
 
+def test_no_fork_while_another_python_thread_runs():
+    # A fork copies whatever lock another thread holds at that moment, held for good in the
+    # child: with another thread alive the work stays in this process.
+    import threading
+
+    assert forked.default_jobs() == len(os.sched_getaffinity(0))
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert forked.default_jobs() == 1
+        assert {pid for _, pid in map_forked(lambda x: (x, os.getpid()), range(3))} == {os.getpid()}
+    finally:
+        release.set()
+        other.join()
+
+
 @pytest.mark.slow
 def test_the_layout_search_judges_in_forked_processes_what_it_judges_in_one(monkeypatch, tmp_path):
     # The debug Llama on 4 GPUs: 272 candidate layouts, in 17 pieces of 16.
