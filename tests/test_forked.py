@@ -29,7 +29,10 @@ def test_no_fork_while_another_python_thread_runs():
     # child: with another thread alive the work stays in this process.
     import threading
 
-    assert forked.default_jobs() == len(os.sched_getaffinity(0))
+    alone = [threading.main_thread()]  # as in `meshtrain check`: the main thread (and the signal watcher)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(forked.threading, "enumerate", lambda: alone)
+        assert forked.default_jobs() == len(os.sched_getaffinity(0))
     release = threading.Event()
     other = threading.Thread(target=release.wait)
     other.start()
