@@ -89,13 +89,6 @@ def probe_key(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
                     dims=model.dims, experts=model.moe_layers > 0, chunked_loss=chunked_loss)
 
 
-def profile_for(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
-                chunked_loss: bool = False) -> "ActivationProfile | None":
-    """`activation_profile` of `probe_key`'s probe; None where there is none."""
-    key = probe_key(model, seq_len, tp, ac, lora, chunked_loss)
-    return None if key is None else activation_profile(key)
-
-
 def period_of(key: ProbeKey) -> int:
     return key.ac_every if key.ac == "selective" else 1
 

@@ -98,12 +98,17 @@ def candidates(job: Job):
 PIECE = 256  # layouts judged by one forked process at a time
 
 
+def _rule(err: LayoutError) -> str:
+    """The rule a rejected layout broke, as the rejections are counted: the message's head."""
+    return str(err).split(":")[0]
+
+
 def _judge(job: Job, lay: ParallelDims, budget: float) -> tuple[str, object]:
     """("rejected", the rule broken), ("fits", its estimate) or ("over", its peak bytes)."""
     try:
         total = memory_per_gpu(job, lay).total
     except LayoutError as err:
-        return "rejected", str(err).split(":")[0]
+        return "rejected", _rule(err)
     return ("fits", estimate(job, lay)) if total <= budget else ("over", total)
 
 
@@ -117,7 +122,7 @@ def plan(job: Job, jobs: int | None = None) -> tuple[list[Estimate], Estimate | 
         try:
             check_layout(job, lay)
         except LayoutError as err:
-            rejected[str(err).split(":")[0]] += 1
+            rejected[_rule(err)] += 1
             continue
         layouts.append(lay)
     # The activation probes these layouts' memory reads, each traced once, then the layouts

@@ -97,10 +97,10 @@ def test_the_closed_form_of_a_gelu_block_is_what_our_gpt2_block_saves(tp):
     """The closed form serves models the probe cannot build (a Hugging Face GPT-NeoX, Falcon,
     MPT): a GeLU MLP saves two f-wide tensors, not SwiGLU's four. Held to the traced GPT-2
     block (planning/activations.py); with four it is 50% over at tp 1."""
-    from meshtrain.planning.activations import profile_for
+    from meshtrain.planning.activations import activation_profile, probe_key
 
     m = ModelShape.from_flavor("124M", 50304, "gpt2")
-    traced = profile_for(m, 1024, tp, "none").blocks[0]
+    traced = activation_profile(probe_key(m, 1024, tp, "none")).blocks[0]
     assert layer_activation_bytes(m, 1024, 1, tp) == pytest.approx(traced, rel=0.01)
 
 
