@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import one_process, torchrun
+from tests.conftest import forked_python, launcher_free_env, one_process, torchrun
 from meshtrain.training.checkpoint import complete_checkpoints
 from meshtrain.training.checkpoint_reader import damage
 
@@ -65,6 +65,15 @@ def test_a_damaged_newest_checkpoint_is_skipped_named_and_saved_anew(three, harm
     assert [s for s, _ in complete_checkpoints(three)] == [2, 4, 6, 8]
     assert all(damage(p) is None for _, p in complete_checkpoints(three))
     assert len(list(three.glob("step-00000006.damaged-*"))) == 1
+
+
+def test_evaluating_a_damaged_checkpoint_names_it_in_one_line(three):
+    newest_shard(three).write_bytes(newest_shard(three).read_bytes()[:1000])
+    proc = forked_python("-m", "meshtrain.cli", "evaluate", str(three / "step-00000006"), "--config", "debug_2d",
+                         *ONE, "--training.seq_len=32", "--validation.split=0.05", "--validation.steps=1",
+                         env=launcher_free_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "step-00000006 could not be read" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_with_no_intact_checkpoint_left_the_run_stops_rather_than_start_over(three):

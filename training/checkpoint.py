@@ -158,7 +158,7 @@ def load_model(path: Path, parts: list[nn.Module], model_config) -> int:
         reader.read_metadata()
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-        raise CheckpointError(f"checkpoint {path} could not be read: {_root_cause(err)}") from None
+        raise CheckpointError(f"checkpoint {path} could not be read: {root_cause(err)}") from None
     for part in parts:
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
     return json.loads((path / "meta.json").read_text())["step"]
