@@ -19,7 +19,6 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 from meshtrain.training import startup_signals
 from meshtrain.training.config import ConfigError
@@ -36,16 +35,20 @@ def main(argv: list[str] | None = None) -> None:
         print(config_to_toml(cfg), end="")
         return
     if args.dry_run or args.check_collectives:  # fake tensors on a fake world: nothing launches
+        startup_signals.end_at_once()  # nothing to unwind: a signal ends the process where it is
+        from meshtrain.planning.collective_check import check_collectives_later
+        from meshtrain.planning.dry_run import dry_run
+
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
         report, hangs = {}, []
-        if args.dry_run:
-            from meshtrain.planning.dry_run import dry_run
-
-            report = dry_run(cfg, world_size, args.rank, args.gpus_per_node, gpu=args.gpu)
-        if args.check_collectives:
-            from meshtrain.planning.collective_check import check_collectives
-
-            hangs = check_collectives(cfg, world_size, args.gpus_per_node, jobs=args.jobs)
+        # Both asked: the hang check starts first, in a forked process when a core is free for
+        # it, and traces its ranks while this process traces the dry run's rank.
+        with check_collectives_later(cfg, world_size, args.gpus_per_node, jobs=args.jobs,
+                                     beside=args.dry_run and args.check_collectives) as check:
+            if args.dry_run:
+                report = dry_run(cfg, world_size, args.rank, args.gpus_per_node, gpu=args.gpu)
+            if args.check_collectives:
+                hangs = check()
         if report.get("fits") is False or hangs:
             raise SystemExit(1)
         return

@@ -27,7 +27,9 @@ three alike blocks is traced with three and its sequence expanded to all of them
    its send, or the ranks left waiting are named.
 
 The traced ranks are independent: after rank 0, which gives the layout, they are traced in
-one forked process per core (`jobs`, planning/forked.py).
+one forked process per core (`jobs`, planning/forked.py). Asked for beside the dry run
+(`meshtrain dry-run --check-collectives`), the whole check runs in a forked process of its
+own, with one job fewer, while the dry run traces its rank (`check_collectives_later`).
 
 What it cannot see: branches on data values (fake tensors have none) and an untraced rank
 that behaves unlike the traced rank of its pp coordinate.
@@ -36,6 +38,7 @@ that behaves unlike the traced rank of its pp coordinate.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -43,12 +46,13 @@ from meshtrain.planning.alike_blocks import BlockTags, collapse, expand
 from meshtrain.planning.collective_compare import (_short, compare_groups, compare_stage_boundaries,
                                                    play_schedule)
 from meshtrain.planning.collective_record import Call, RankTrace, RecordCollectives, partition
+from meshtrain.planning import forked
 from meshtrain.planning.forked import map_forked
 from meshtrain.planning.representative_ranks import coordinates, rank_of, representatives, stands_for
 
 __all__ = ["Call", "RankTrace", "RecordCollectives", "partition", "coordinates", "rank_of", "representatives",
            "stands_for", "compare_groups", "compare_stage_boundaries", "play_schedule", "trace_rank",
-           "trace_ranks", "check_collectives"]
+           "trace_ranks", "check_collectives", "check_collectives_later"]
 
 
 def one_microbatch(stage_ids: list[int]) -> list:
@@ -139,3 +143,31 @@ def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, exhaustiv
     if len(problems) > shown:
         say(f"  ... and {len(problems) - shown} more")
     return problems
+
+
+@contextmanager
+def check_collectives_later(cfg, world_size: int, gpus_per_node: int = 8, *, beside: bool = False,
+                            jobs: int | None = None):
+    """`check_collectives` for a caller with other work meanwhile (the dry run): yields a
+    function returning its problems. With ``beside`` and ``jobs`` above one, the check
+    starts now in a forked process (planning/forked.py `later`) with one job fewer, so on
+    two cores its ranks are traced on one while the caller works on the other, and its
+    lines are printed when its problems are taken, after the caller's; otherwise it runs
+    then, here, printing as it goes."""
+    jobs = forked.default_jobs() if jobs is None else jobs
+    if not beside or jobs <= 1:
+        yield lambda: check_collectives(cfg, world_size, gpus_per_node, jobs=jobs)
+        return
+
+    def checked():
+        lines: list[str] = []
+        return check_collectives(cfg, world_size, gpus_per_node, say=lines.append, jobs=jobs - 1), lines
+
+    with forked.later(checked) as result:
+        def problems() -> list[str]:
+            found, lines = result()
+            for line in lines:
+                print(line, flush=True)
+            return found
+
+        yield problems

@@ -4,7 +4,8 @@ A traced rank of the collective check, or an activation probe, runs on fake tens
 process of its own making (its fake world, its caches) and depends on no other: on a
 machine of n cores, n of them run at once. The processes are forked, so they start with
 everything the parent has built and imported (importing torch alone takes seconds); only
-each item's index goes to a child, only its result comes back (pickled).
+each item's index goes to a child, only its result comes back (pickled). `later` runs one
+piece of work in a forked process while the caller goes on with another.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import multiprocessing
 import os
 import sys
 import threading
+import traceback
+from contextlib import contextmanager
 
 import torch
 
@@ -48,9 +51,80 @@ def map_forked(fn, items, jobs: int | None = None) -> list:
     jobs = min(default_jobs() if jobs is None else jobs, len(items))
     if jobs <= 1:
         return [fn(x) for x in items]
+    _flush()
     _work = (fn, items)
     try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        with multiprocessing.get_context("fork").Pool(jobs, initializer=_end_with, initargs=(os.getpid(),)) as pool:
             return pool.map(_run, range(len(items)), chunksize=1)
     finally:
         _work = None
+
+
+def _flush() -> None:
+    # A forked child inherits what this process has not yet written and writes it again
+    # when it exits (multiprocessing flushes a child's standard streams): a line twice.
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+class ChildTraceback(Exception):
+    """Where an exception raised in a forked process came from: its traceback, as text
+    (the frames themselves cannot cross). Re-raised here from it, a bug shows both."""
+
+
+def _end_with(parent: int) -> None:
+    """Have the kernel kill this process when ``parent`` ends, however it ends (a signal
+    it cannot handle, an abort), so no trace runs on orphaned (Linux: PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it ended before the line above
+        os._exit(1)
+
+
+def _send_result(fn, send, parent: int) -> None:
+    _end_with(parent)
+    torch.set_num_threads(1)
+    try:
+        out = ("returned", fn(), None)
+    except BaseException as err:  # to the parent, which raises it
+        out = ("raised", err, traceback.format_exc())
+    send.send(out)
+    send.close()
+
+
+@contextmanager
+def later(fn):
+    """Yields ``result``, a function returning ``fn()``: fn starts now in a forked process,
+    and ``result()`` waits for it (raising what fn raised), while the caller does other
+    work; where this process may not fork (`default_jobs` is 1), fn runs at that call, here.
+    Leaving the block ends the process if it still runs (the caller failed first)."""
+    if default_jobs() <= 1:
+        yield fn
+        return
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    _flush()
+    child = ctx.Process(target=_send_result, args=(fn, send, os.getpid()), daemon=False)  # it may fork ranks of its own
+    child.start()
+    send.close()
+
+    def result():
+        try:
+            status, value, text = receive.recv()
+        except EOFError:  # killed, or its result would not pickle (said on its stderr)
+            child.join()
+            raise RuntimeError(f"the forked process ended without a result (exit code {child.exitcode})") from None
+        child.join()
+        if status == "raised":
+            raise value from ChildTraceback(text)
+        return value
+
+    try:
+        yield result
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receive.close()

@@ -7,6 +7,7 @@ does not expect, stages placed where the schedule does not run them, and a sched
 ranks wait on each other."""
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -299,16 +300,31 @@ def _run_check(capsys, *argv):
 
 
 @pytest.mark.slow
-def test_a_rank_issuing_one_collective_more_is_reported_and_the_run_refused(monkeypatch, capsys):
+@pytest.mark.parametrize("cores", [1, 2])
+def test_a_rank_issuing_one_collective_more_is_reported_and_the_run_refused(monkeypatch, capsys, tmp_path, cores):
+    # On 2 cores the check runs in a forked process while this one runs the dry run; its
+    # verdict and its lines come back, after the dry run's report.
+    from meshtrain.planning import collective_check, forked
+
     def extra_on_odd_tp_ranks(rank):
         if rank % 2 == 1:  # tp is innermost: odd ranks are tp rank 1
             dist.all_reduce(torch.zeros(16))
 
     _plant(monkeypatch, extra_on_odd_tp_ranks)
+    monkeypatch.setattr(forked, "default_jobs", lambda: cores)
+    checked, pid = collective_check.check_collectives, tmp_path / "pid"
+
+    def noting_the_process(*args, **kwargs):
+        pid.write_text(str(os.getpid()))
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(collective_check, "check_collectives", noting_the_process)
     with pytest.raises(SystemExit) as stop:
         _run_check(capsys)
     assert stop.value.code == 1
+    assert (pid.read_text() == str(os.getpid())) == (cores == 1)
     out = capsys.readouterr().out
+    assert out.index("memory of this rank") < out.index("meshtrain collective check: tracing") < out.index("HANG")
     # The whole world is the clipping group: rank 0's first call there is the gradient
     # norm's all-reduce, rank 1's is the planted one.
     assert "HANG: dp_shardxtp group [0, 1, 2, 3]: call #1 differs: rank 0 issues all-reduce of [] float32 " \

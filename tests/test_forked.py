@@ -5,6 +5,7 @@ running them one after the other gives."""
 import multiprocessing
 import os
 import signal
+import time
 
 import pytest
 
@@ -99,3 +100,90 @@ def test_a_forked_child_takes_signals_itself_not_through_the_start_up_watcher():
 def _signal_state():
     wakeup = signal.set_wakeup_fd(-1)
     return signal.getsignal(signal.SIGTERM), wakeup
+
+
+def test_work_started_later_runs_beside_the_caller_and_gives_its_value_or_its_error(monkeypatch, tmp_path):
+    from meshtrain.parallel import LayoutError
+
+    monkeypatch.setattr(forked, "default_jobs", lambda: 2)
+    with forked.later(lambda: os.getpid()) as result:
+        assert result() != os.getpid()
+
+    def refused():
+        raise LayoutError("tp=16 is more than the 8 GPUs of a node")
+
+    with forked.later(refused) as result:
+        with pytest.raises(LayoutError, match="tp=16 is more than") as raised:
+            result()
+    # bad input keeps its one message; a bug would show where in the child it was raised
+    assert isinstance(raised.value.__cause__, forked.ChildTraceback)
+    assert "in refused" in str(raised.value.__cause__)
+
+    monkeypatch.setattr(forked, "default_jobs", lambda: 1)  # may not fork: run when asked, here
+    with forked.later(lambda: os.getpid()) as result:
+        assert result() == os.getpid()
+
+
+@pytest.mark.timeout(30)  # without the kill, leaving the block would wait out the child's hour
+def test_work_started_later_ends_when_the_caller_fails_first(monkeypatch, tmp_path):
+    monkeypatch.setattr(forked, "default_jobs", lambda: 2)
+    started = tmp_path / "pid"
+
+    def an_hour():
+        (tmp_path / "writing").write_text(str(os.getpid()))
+        (tmp_path / "writing").rename(started)  # whole, or not there
+        time.sleep(3600)
+
+    with pytest.raises(KeyError):
+        with forked.later(an_hour):
+            while not started.exists():
+                time.sleep(0.01)
+            raise KeyError("the caller's own error")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(started.read_text()), 0)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" in f.read()  # ended, not yet reaped by whoever adopted it
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow  # a process of its own, importing torch
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["later", "map_forked"])
+def test_forked_processes_end_when_their_parent_is_killed(tmp_path, how):
+    # SIGKILL (or an abort) runs no clean-up in the parent: the kernel ends the children.
+    import subprocess
+    import sys
+
+    started = tmp_path / "pid"
+    run = ("with forked.later(an_hour):\n    time.sleep(3600)" if how == "later" else
+           "forked.map_forked(lambda i: an_hour(), [0, 1], jobs=2)")
+    script = f"""
+import os, time
+from meshtrain.planning import forked
+forked.default_jobs = lambda: 2
+def an_hour():
+    writing = {str(tmp_path)!r} + f"/writing-{{os.getpid()}}"  # each child its own, then one of them whole
+    open(writing, 'w').write(str(os.getpid()))
+    os.rename(writing, {str(started)!r})
+    time.sleep(3600)
+{run}
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        while not started.exists():
+            assert parent.poll() is None, "the parent ended before its child started"
+            time.sleep(0.05)
+        child = int(started.read_text())
+        assert not _gone(child) and child != parent.pid
+    finally:
+        parent.kill()
+        parent.wait()
+    waited = time.monotonic()
+    while not _gone(child) and time.monotonic() - waited < 10:
+        time.sleep(0.05)
+    assert _gone(child)

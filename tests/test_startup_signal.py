@@ -56,3 +56,36 @@ def test_sigterm_to_one_rank_during_start_up_stops_the_job_without_a_traceback(t
     ours = [line for line in proc.stderr.splitlines()
             if 'File "' in line and str(ROOT) in line and "site-packages" not in line]
     assert not ours, proc.stderr[-3000:]  # torchrun's own report may have a traceback; no frame of ours
+
+
+@pytest.mark.slow  # a process of its own
+def test_a_signal_during_a_dry_run_ends_it_where_it_is_with_the_one_line():
+    # The fake traces run mostly inside torch's C++, where an exception raised by the
+    # handler can land in a callback that may not throw (the process then aborts, exit
+    # 134). There the handler ends the process itself: the running code sees no exception.
+    import subprocess
+    import sys
+
+    script = """
+import os, signal, sys
+from meshtrain import train
+from meshtrain.planning import dry_run as planning_dry_run
+
+def signalled_mid_trace(*args, **kwargs):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10**7):
+            pass  # the handler runs between bytecodes, here
+    except BaseException as seen:
+        print("the trace saw", type(seen).__name__, flush=True)
+        raise
+    print("the trace ran on", flush=True)
+
+planning_dry_run.dry_run = signalled_mid_trace
+sys.exit(train.run(["--config", "debug_2d", "--dry-run", "--world-size", "4"]))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout == ""  # neither an exception in the trace nor a trace that went on
+    assert proc.stderr.strip().startswith("meshtrain: error: stopped by SIGTERM during start-up")
+    assert "Traceback" not in proc.stderr

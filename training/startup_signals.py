@@ -50,6 +50,7 @@ class StoppedBySignal(BaseException):
 class _State:
     phase = "start-up"
     fired = False
+    at_once = False  # `end_at_once`: the handler ends the process itself
     on_blocked = None  # called with the StoppedBySignal when the main thread cannot raise it
     wakeup = None      # the pipe's write end, once the watcher runs
 
@@ -58,7 +59,10 @@ def _handle(signum, frame) -> None:
     if _State.fired:  # a second signal while the first one unwinds: let the exit finish
         return
     _State.fired = True
-    raise StoppedBySignal(signum, _State.phase)
+    stop = StoppedBySignal(signum, _State.phase)
+    if _State.at_once and _State.on_blocked is not None:
+        _State.on_blocked(stop)  # does not return
+    raise stop
 
 
 def phase() -> str:
@@ -71,12 +75,22 @@ def training_over() -> None:
     _State.phase = "shut-down"
 
 
+def end_at_once() -> None:
+    """From now on the handler ends the process itself (``on_blocked``: the same line and
+    exit code) instead of raising StoppedBySignal into whatever runs. For the fake traces
+    (the dry run, the hang check), which have nothing to unwind and run mostly inside
+    torch's C++: there the exception can surface in a Python callback of C++ code that may
+    not throw, and the process aborts ("terminate called after throwing an instance of
+    'python_error'", exit 134, seen in about one SIGTERM of ten during a 405B dry run)."""
+    _State.at_once = True
+
+
 def install(on_blocked=None) -> dict:
     """The start-up handler for SIGTERM and SIGINT (main thread only); returns the previous
     handlers for `restore`. ``on_blocked(stop)``: what to do when the signal arrives while
     the main thread is blocked in C code -- say ``stop`` and end the process (it must not
     return)."""
-    _State.fired, _State.phase, _State.on_blocked = False, "start-up", on_blocked
+    _State.fired, _State.phase, _State.on_blocked, _State.at_once = False, "start-up", on_blocked, False
     try:
         previous = {sig: signal.signal(sig, _handle) for sig in SIGNALS}
     except ValueError:  # not the main thread (a test's runner): signals go elsewhere anyway
@@ -120,7 +134,7 @@ os.register_at_fork(after_in_child=_forked_child)
 
 
 def restore(previous: dict) -> None:
-    _State.on_blocked = None
+    _State.on_blocked, _State.at_once = None, False
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     if previous and _State.wakeup is not None:
