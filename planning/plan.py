@@ -98,10 +98,10 @@ def parse_args(argv):
     p.add_argument("--write", metavar="PATH.toml", help="write the best layout as a train.py config")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="dry-run the top K layouts at full world size (meshtrain dry-run, fake tensors: "
-                        "tens of seconds each for 70B) and re-rank them by traced memory")
+                        "tens of seconds each for 70B, --jobs at once) and re-rank them by traced memory")
     p.add_argument("--jobs", type=int, default=None, metavar="J",
-                   help="processes tracing probes and judging layouts at once (default: the cores this "
-                        "process may use)")
+                   help="processes tracing probes, judging layouts and dry-running --verify's at once "
+                        "(default: the cores this process may use)")
     return p.parse_args(argv)
 
 
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_breakdown(fitting[0], gpu))
     if args.verify:
-        fitting = verify(fitting[:args.verify], job) + fitting[args.verify:]
+        fitting = verify(fitting[:args.verify], job, jobs=args.jobs) + fitting[args.verify:]
     if args.write:
         from pathlib import Path
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from meshtrain.physics.gpus import GIB, usable_bytes
 from meshtrain.planning.estimate import Estimate
+from meshtrain.planning.forked import map_forked
 from meshtrain.planning.report import describe, to_toml
 from meshtrain.planning.shape import Job
 
@@ -25,20 +26,22 @@ def trace(e: Estimate, job: Job) -> dict:
         return dry_run(load_config(path), job.world, rank, gpus_per_node=job.gpus_per_node, quiet=True)
 
 
-def verify(estimates: list[Estimate], job: Job) -> list[Estimate]:
+def verify(estimates: list[Estimate], job: Job, jobs: int | None = None) -> list[Estimate]:
     """Trace each layout and print traced beside estimated peaks; a layout whose trace does
     not fit drops to the end, and one where the two differ by more than 10% is flagged.
-    Returns the layouts re-ranked: those the trace says fit, fastest first, then the others."""
-    print(f"\nVerifying the top {len(estimates)} with a dry run each ({job.world} ranks, fake tensors):")
-    traced = []
-    for i, e in enumerate(estimates, 1):
-        report = trace(e, job)
-        peak = report["memory"]["total"]
-        traced.append((e, peak))
+    Returns the layouts re-ranked: those the trace says fit, fastest first, then the others.
+    The dry runs are independent: one forked process per core (``jobs``, planning/forked.py)."""
+    print(f"\nVerifying the top {len(estimates)} with a dry run each ({job.world} ranks, fake tensors):", flush=True)
+    traced = map_forked(lambda e: _peak(trace(e, job)), estimates, jobs)
+    for i, (e, (peak, seconds)) in enumerate(zip(estimates, traced), 1):
         off = peak / e.memory.total - 1
         flag = "  <-- differ by more than 10%" if abs(off) > 0.10 else ""
         fits = "fits" if peak <= usable_bytes(job.gpu) else "does NOT fit"
         print(f"  {i}. {describe(e.layout)}: estimated {e.memory.total / GIB:.1f} GiB, traced "
-              f"{peak / GIB:.1f} GiB ({off:+.0%}, {report['seconds']:.0f} s), {fits}{flag}")
-    ok = [e for e, peak in traced if peak <= usable_bytes(job.gpu)]
-    return ok + [e for e, peak in traced if peak > usable_bytes(job.gpu)]
+              f"{peak / GIB:.1f} GiB ({off:+.0%}, {seconds:.0f} s), {fits}{flag}")
+    ok = [e for e, (peak, _) in zip(estimates, traced) if peak <= usable_bytes(job.gpu)]
+    return ok + [e for e, (peak, _) in zip(estimates, traced) if peak > usable_bytes(job.gpu)]
+
+
+def _peak(report: dict) -> tuple[int, float]:
+    return report["memory"]["total"], report["seconds"]

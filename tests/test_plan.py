@@ -4,6 +4,7 @@ own pre-flight checks, and the command line's exit codes. One process, no GPU.""
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -327,10 +328,18 @@ def test_verify_dry_runs_the_top_layouts_and_reranks_by_traced_memory(capsys, mo
     fitting, _, _ = plan(job)
     from meshtrain.planning.verify import verify
 
-    kept = verify(fitting[:2], job)
-    lines = [line for line in capsys.readouterr().out.splitlines() if "traced" in line]
+    from meshtrain.planning import forked
+
+    def traced_lines():  # the seconds each took aside
+        return [re.sub(r", \d+ s\)", ")", line) for line in capsys.readouterr().out.splitlines() if "traced" in line]
+
+    kept = verify(fitting[:2], job, jobs=1)
+    lines = traced_lines()
     assert len(lines) == 2 and all("GiB" in line for line in lines)
     assert sorted(map(id, kept)) == sorted(map(id, fitting[:2]))
+    # The two dry runs in forked processes, each its layout's.
+    monkeypatch.setattr(forked, "default_jobs", lambda: 2)
+    assert verify(fitting[:2], job, jobs=2) == kept and traced_lines() == lines
 
     # A layout whose trace does not fit drops behind one whose trace does, and a trace
     # far from the estimate is flagged.
@@ -339,6 +348,6 @@ def test_verify_dry_runs_the_top_layouts_and_reranks_by_traced_memory(capsys, mo
     peaks = iter([100 * GIB, fitting[1].memory.total])
     monkeypatch.setattr(planning_dry_run, "dry_run",
                         lambda *a, **k: {"memory": {"total": next(peaks)}, "seconds": 0.0})
-    assert verify(fitting[:2], job) == [fitting[1], fitting[0]]
+    assert verify(fitting[:2], job, jobs=1) == [fitting[1], fitting[0]]
     out = capsys.readouterr().out
     assert "does NOT fit  <-- differ by more than 10%" in out and out.count("<--") == 1
