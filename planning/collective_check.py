@@ -47,7 +47,6 @@ from meshtrain.planning.collective_compare import (_short, compare_groups, compa
                                                    play_schedule)
 from meshtrain.planning.collective_record import Call, RankTrace, RecordCollectives, partition
 from meshtrain.planning import forked
-from meshtrain.planning.forked import map_forked
 from meshtrain.planning.representative_ranks import coordinates, rank_of, representatives, stands_for
 
 __all__ = ["Call", "RankTrace", "RecordCollectives", "partition", "coordinates", "rank_of", "representatives",
@@ -108,7 +107,7 @@ def trace_ranks(cfg, world_size: int, ranks: list[int], gpus_per_node: int, *, e
                 jobs: int | None = None) -> list[RankTrace]:
     """`trace_rank` of each of ``ranks``, in rank order, in ``jobs`` forked processes
     (planning/forked.py; None: one per core)."""
-    return map_forked(lambda rank: trace_rank(cfg, world_size, rank, gpus_per_node, every_block=every_block)[0],
+    return forked.map_forked(lambda rank: trace_rank(cfg, world_size, rank, gpus_per_node, every_block=every_block)[0],
                       ranks, jobs)
 
 

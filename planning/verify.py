@@ -32,15 +32,15 @@ def verify(estimates: list[Estimate], job: Job, jobs: int | None = None) -> list
     Returns the layouts re-ranked: those the trace says fit, fastest first, then the others.
     The dry runs are independent: one forked process per core (``jobs``, planning/forked.py)."""
     print(f"\nVerifying the top {len(estimates)} with a dry run each ({job.world} ranks, fake tensors):", flush=True)
-    traced = map_forked(lambda e: _peak(trace(e, job)), estimates, jobs)
-    for i, (e, (peak, seconds)) in enumerate(zip(estimates, traced), 1):
+    traced = list(zip(estimates, map_forked(lambda e: _peak(trace(e, job)), estimates, jobs)))
+    for i, (e, (peak, seconds)) in enumerate(traced, 1):
         off = peak / e.memory.total - 1
         flag = "  <-- differ by more than 10%" if abs(off) > 0.10 else ""
         fits = "fits" if peak <= usable_bytes(job.gpu) else "does NOT fit"
         print(f"  {i}. {describe(e.layout)}: estimated {e.memory.total / GIB:.1f} GiB, traced "
               f"{peak / GIB:.1f} GiB ({off:+.0%}, {seconds:.0f} s), {fits}{flag}")
-    ok = [e for e, (peak, _) in zip(estimates, traced) if peak <= usable_bytes(job.gpu)]
-    return ok + [e for e, (peak, _) in zip(estimates, traced) if peak > usable_bytes(job.gpu)]
+    ok = [e for e, (peak, _) in traced if peak <= usable_bytes(job.gpu)]
+    return ok + [e for e, (peak, _) in traced if peak > usable_bytes(job.gpu)]
 
 
 def _peak(report: dict) -> tuple[int, float]:
