@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -50,6 +51,12 @@ class CountCollectives(TorchDispatchMode):
         self.scale = lambda dim, kind: 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A DTensor op goes back to DTensor first (as torch's memory tracker does): the
+        # collectives its dispatch issues (loss_parallel's all-reduces, a redistribution
+        # its sharding rule asks for) then come here as local ops. Run inside this
+        # handler instead, they would pass below this mode, uncounted.
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         name = func._overloadpacket.__name__
         if func.namespace in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
             kind, which = _COLLECTIVES[name]
