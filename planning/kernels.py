@@ -148,7 +148,10 @@ def _bytes_per_token(m, tp: int, compiled: bool) -> float:
     rotary in one pass (4 per element), the FFN activation in one (6f; GeLU 4f), the copy.
     The backward moves about twice the forward's bytes (each op reads its saved inputs and
     the incoming gradient and writes one gradient per input). Norms and residual adds run
-    on the sequence-sharded activations (sequence parallel): / tp as well."""
+    on the sequence-sharded activations (sequence parallel): / tp as well. The rotary count
+    is that of the pairs rotated by hand, which the measured eager runs ran; one complex
+    multiply now does it (three kernels: upcast, multiply, downcast), not yet timed on a GPU,
+    so the count stays until a device run measures the new one."""
     h, kv, f = m.dim, m.kv_dim, m.ffn_hidden
     rotary = not m.max_positions  # learned positions (GPT-2): no rotary, LayerNorm
     hs, kvs, fs = h / tp, kv / tp, f / tp

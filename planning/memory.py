@@ -59,7 +59,7 @@ def layer_activation_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
       SwiGLU: w1 out, silu out, w3 out, their product (= w2 input)    4 x 2sb·f/t
         (a GeLU MLP, two matrices: fc out, GeLU out (= proj input)      2 x 2sb·f/t)
       SDPA's fp32 log-sum-exp per head                                4sb·a/t
-    Flash attention keeps no s x s matrix; rotary saves only its cos/sin tables."""
+    Flash attention keeps no s x s matrix; rotary saves only its angles (a view of the model's table)."""
     h, f, kv, a = m.dim, m.ffn_hidden, m.kv_dim, m.n_heads
     ffn = 4 if gated(m) else 2
     return s * b * (BF16 * 2 * h + (BF16 * (4 * h + 2 * kv + ffn * f) + FP32 * a) / t)

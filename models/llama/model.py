@@ -38,15 +38,32 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
                        torch.where(wavelen < high_wavelen, inv, blended))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of x [b, s, h, d] by position angles
-    cos/sin [s, d/2] (the same positions in every sequence) or [b, s, d/2] (each token's
-    own, packed documents) — Meta's reference layout, so released weights load without permuting."""
-    pairs = rearrange(x.float(), "b s h (d two) -> b s h d two", two=2)
-    x0, x1 = pairs.unbind(-1)
-    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return rearrange(out, "b s h d two -> b s h (d two)").type_as(x)
+def rotary_table(cfg) -> torch.Tensor:
+    """(cos, sin) of every position's angles, [max_seq_len, head_dim/2, 2], float32: the
+    model's buffer. Real, so `model.to(dtype)` cannot drop half of it as it would a
+    complex buffer's imaginary part."""
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_frequencies(cfg))
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def rotary_angles(table: torch.Tensor) -> torch.Tensor:
+    """The table as unit complex numbers cos + i sin, [max_seq_len, head_dim/2]: a view
+    of it, made once per forward and passed to every block. Not a floating-point tensor,
+    so FSDP's mixed precision does not cast a bf16 copy of it for each block (which each
+    block's backward would then keep), and blocks save a view of the one table."""
+    return torch.view_as_complex(table.float())
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x [b, s, h, d] by `angles` (unit
+    complex numbers), [s, d/2] (the same positions in every sequence) or [b, s, d/2] (each
+    token's own, packed documents) -- Meta's reference layout, so released weights load
+    without permuting. Each pair read as one complex number, the rotation is one multiply:
+    one kernel forward and one backward, where rotating the halves by hand takes eight
+    (and a dry run traces each)."""
+    pairs = torch.view_as_complex(rearrange(x.float(), "b s h (d two) -> b s h d two", two=2).contiguous())
+    angles = angles[None, :, None] if angles.dim() == 2 else angles[:, :, None]
+    return rearrange(torch.view_as_real(pairs * angles), "b s h d two -> b s h (d two)").type_as(x)
 
 
 class Attention(nn.Module):
@@ -59,7 +76,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.context_parallel = None  # set by parallel.context_parallel.apply_cp
 
-    def forward(self, x, cos, sin, mask=None):
+    def forward(self, x, angles, mask=None):
         # Under TP these projections hold only this rank's heads; "(h d)" with d fixed
         # recovers the local head count, so no TP-specific code is needed here.
         q = rearrange(self.wq(x), "b s (h d) -> b s h d", d=self.head_dim)
@@ -67,11 +84,11 @@ class Attention(nn.Module):
         v = rearrange(self.wv(x), "b s (h d) -> b s h d", d=self.head_dim)
 
         def rotate(q, k):
-            # cos/sin come for every position up to max_seq_len: only here, after sequence
+            # The angles come for every position up to max_seq_len: only here, after sequence
             # parallel and context parallel have gathered the sequence, is its length known.
             # Per-token angles ([b, s, d/2], packed documents) are already the whole sequence's.
-            c, s = (cos[: q.shape[1]], sin[: q.shape[1]]) if cos.dim() == 2 else (cos, sin)
-            return apply_rope(q, c, s), apply_rope(k, c, s)
+            a = angles[: q.shape[1]] if angles.dim() == 2 else angles
+            return apply_rope(q, a), apply_rope(k, a)
 
         out = causal_attention(q, k, v, self.context_parallel, rotate, mask=mask, enable_gqa=True)
         return self.wo(rearrange(out, "b s h d -> b s (h d)"))
@@ -96,9 +113,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, mask=None):
-        # mask by keyword: the TP plan prepares the positional inputs (x, cos, sin) only.
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
+    def forward(self, x, angles, mask=None):
+        # mask by keyword: the TP plan prepares the positional inputs (x, angles) only.
+        h = x + self.attention(self.attention_norm(x), angles, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -119,11 +136,10 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Rotary tables are derived data: not saved, so filled here (a model built by its
+        # The rotary table is derived data: not saved, so filled here (a model built by its
         # constructor runs, e.g. after load_state_dict of an export) and again by
         # init_weights after a meta model is materialized.
-        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope", torch.empty(cfg.max_seq_len, cfg.head_dim // 2, 2), persistent=False)
         self.init_buffers()
 
     @classmethod
@@ -138,11 +154,11 @@ class Llama(nn.Module):
         documents (models/documents.py) -- rotary angles by each token's position and
         attention inside each document only. None: one document per sequence, as before."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        angles, mask = rotary_angles(self.rope), None
         if positions is not None:
-            cos, sin, mask = cos[positions], sin[positions], document_mask(positions)
+            angles, mask = angles[positions], document_mask(positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask=mask)
+            h = layer(h, angles, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
@@ -208,11 +224,8 @@ class Llama(nn.Module):
             self.init_buffers()
 
     def init_buffers(self) -> None:
-        """Fill the rotary tables (on meta this allocates and computes nothing)."""
-        angles = torch.outer(torch.arange(self.cfg.max_seq_len, dtype=torch.float64),
-                             rope_frequencies(self.cfg))
-        self.rope_cos.copy_(angles.cos())
-        self.rope_sin.copy_(angles.sin())
+        """Fill the rotary table (on meta this allocates and computes nothing)."""
+        self.rope.copy_(rotary_table(self.cfg))
 
 
 def _trunc_normal(std: float):

@@ -33,7 +33,7 @@ def llama_tp_plan(model, *, sequence_parallel: bool = True, loss_parallel: bool 
         attention="attention", qkv=["attention.wq", "attention.wk", "attention.wv"], attention_out="attention.wo",
         mlp="feed_forward", mlp_in=["feed_forward.w1", "feed_forward.w3"], mlp_out="feed_forward.w2",
         norms=["attention_norm", "ffn_norm"], sequence_parallel=sequence_parallel,
-        extra_inputs=2)  # the rotary tables (cos, sin): plain tensors every rank already has
+        extra_inputs=1)  # the rotary angles: a plain tensor every rank already has
     for name in model.layers:
         plan.update({f"layers.{name}.{key}": style for key, style in block.items()})
     return plan

@@ -18,7 +18,7 @@ from torch import nn
 
 from meshtrain.models.common import build_from_flavor, cut_stage, fsdp_units
 from meshtrain.models.documents import document_mask
-from meshtrain.models.llama.model import Attention, FeedForward, rope_frequencies
+from meshtrain.models.llama.model import Attention, FeedForward, rotary_angles, rotary_table
 from meshtrain.models.moe.config import FLAVORS, MoEConfig
 from meshtrain.models.moe.layer import MoE
 from meshtrain.models.moe.loads import load_scalars, summed_loads
@@ -33,8 +33,8 @@ class MoEBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg) if layer_id < cfg.n_dense_layers else MoE(cfg)
 
-    def forward(self, x, cos, sin, mask=None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
+    def forward(self, x, angles, mask=None):
+        h = x + self.attention(self.attention_norm(x), angles, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -51,8 +51,7 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope", torch.empty(cfg.max_seq_len, cfg.head_dim // 2, 2), persistent=False)
         self.init_buffers()
 
     @classmethod
@@ -61,11 +60,11 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        angles, mask = rotary_angles(self.rope), None
         if positions is not None:
-            cos, sin, mask = cos[positions], sin[positions], document_mask(positions)
+            angles, mask = angles[positions], document_mask(positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask=mask)
+            h = layer(h, angles, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
@@ -193,10 +192,8 @@ class MoETransformer(nn.Module):
                     buffer.zero_()
 
     def init_buffers(self) -> None:
-        """Fill the rotary tables (on meta this allocates and computes nothing)."""
-        angles = torch.outer(torch.arange(self.cfg.max_seq_len, dtype=torch.float64), rope_frequencies(self.cfg))
-        self.rope_cos.copy_(angles.cos())
-        self.rope_sin.copy_(angles.sin())
+        """Fill the rotary table (on meta this allocates and computes nothing)."""
+        self.rope.copy_(rotary_table(self.cfg))
 
 
 def _trunc_normal(std: float):

@@ -36,7 +36,7 @@ def moe_tp_plan(model, *, sequence_parallel: bool = True, loss_parallel: bool = 
             attention="attention", qkv=["attention.wq", "attention.wk", "attention.wv"],
             attention_out="attention.wo", mlp="feed_forward", mlp_in=["feed_forward.w1", "feed_forward.w3"],
             mlp_out="feed_forward.w2", norms=["attention_norm", "ffn_norm"], sequence_parallel=sequence_parallel,
-            extra_inputs=2)
+            extra_inputs=1)
         if not dense:  # the experts take plain, whole-sequence tensors and give them back
             for key in ("feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
                 del style[key]
