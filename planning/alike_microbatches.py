@@ -131,8 +131,12 @@ class Copier:
         """Play the record of ``like``'s action of ``kind`` from the memory there is now;
         ``phase``: the copy's name in the timeline's tags."""
         t, record = self.tracker, self.records[kind, like]
-        start = self._now()
-        for k, delta in enumerate(record.updates):
+        start, updates = self._now(), list(enumerate(record.updates))
+        if t.timeline is None and t.recording is None and len(start) == 1 and updates:
+            # Only the peak reads these updates, and of a record's only its first highest
+            # can raise it (`note` keeps the first of equal totals).
+            updates = [max(updates, key=lambda u: next(iter(u[1].values()))["Total"])]
+        for k, delta in updates:
             t.note(_plus(start, delta), (phase, record.tags[k][1]) if record.tags is not None else None)
         t._curr_mem_snap.clear()
         t._curr_mem_snap.update(_plus(start, record.net))

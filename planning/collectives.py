@@ -57,6 +57,12 @@ class CountCollectives(TorchDispatchMode):
         # handler instead, they would pass below this mode, uncounted.
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
+        self.see(func, args)
+        return func(*args, **(kwargs or {}))
+
+    def see(self, func, args) -> None:
+        """One dispatched op: filed if it is a collective. The dry run calls this from its
+        memory tracker's dispatch (planning/fake_world.py) instead of entering this mode."""
         name = func._overloadpacket.__name__
         if func.namespace in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
             kind, which = _COLLECTIVES[name]
@@ -66,7 +72,6 @@ class CountCollectives(TorchDispatchMode):
             if name in ("allreduce_", "broadcast_"):
                 tensor = tensors[0]
             self.on_collective(kind, tensor, args)
-        return func(*args, **(kwargs or {}))
 
     def on_collective(self, kind: str, payload: torch.Tensor, args) -> None:
         dim, n = self._group(args)

@@ -128,7 +128,8 @@ def _trace(cfg, world_size: int, rank: int, gpus_per_node: int, *, fake: bool, g
             block_tags = BlockTags(parts, tags or {})
             if tags:
                 tracker.timeline = Timeline(lambda: (comm.phase, block_tags.latest()))
-            with sharding_propagation_untracked(), tracker, comm, block_tags:
+            tracker.collectives = comm
+            with sharding_propagation_untracked(), tracker, block_tags:
                 report["traced"] = trace_step(cfg, layout, mesh, parts, optimizers, model.cfg, comm, tracker,
                                               copy_alike=copy_alike)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))

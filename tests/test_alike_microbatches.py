@@ -97,3 +97,25 @@ def test_llama405b_3d_rank_0_traces_17_of_its_48_forwards():
     """pp 8, 2 stages a rank, 32 micro-batches (configs/llama405b_3d.toml)."""
     first = replay_prefix(rank_actions("Interleaved1F1B", 8, 2, 32)[0])
     assert (sum(a.kind == "F" for a in first), len(copies(first))) == (48, 31)
+
+
+def test_a_copy_sets_the_peak_that_playing_each_of_its_updates_sets():
+    """Where only the peak is read (no timeline, no recording), a copy plays the record's
+    first highest update alone: the same peak and categories as playing every update."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from meshtrain.planning.alike_microbatches import Copier, Record
+    from meshtrain.planning.collectives import CommStats
+    from meshtrain.planning.fake_world import peak_only
+
+    deltas = [{"cpu": {"Total": t, "Activation": a}} for t, a in [(10, 10), (40, 5), (40, 7), (20, 20)]]
+    peaks = []
+    for every in (False, True):
+        tracker = peak_only(MemTracker)()
+        tracker._curr_mem_snap = {"cpu": {"Total": 100, "Activation": 50}}
+        tracker.recording = [] if every else None  # a recording is read update by update
+        copier = Copier(tracker, type("Comm", (), {"stats": CommStats()})())
+        copier.records["F", (0, 0)] = Record(deltas, None, {"cpu": {"Total": 0, "Activation": 0}}, [])
+        copier.copy("F", (0, 0), "forward")
+        peaks.append(tracker._peak_mem_snap["cpu"])
+    assert peaks[0] == peaks[1] == {"Total": 140, "Activation": 55}
