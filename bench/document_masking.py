@@ -22,7 +22,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from meshtrain.models import documents
 from meshtrain.models.llama.model import Llama
@@ -133,7 +132,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     rows = measure(torch.device(args.device), [int(s) for s in args.seq_lens.split(",")], args.steps,
                    layers=args.layers)
-    print(f"| seq | documents / sequence | causal tokens/s | masked tokens/s | masked / causal |")
+    print("| seq | documents / sequence | causal tokens/s | masked tokens/s | masked / causal |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
         print({k: v for k, v in r.items() if "per_second" in k or k in ("layers", "block_mask_ms", "flex_vs_sdpa")})

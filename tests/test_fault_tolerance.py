@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests import oracle
 from tests.conftest import ROOT

@@ -12,7 +12,7 @@ from meshtrain.models.llama.model import rotary_angles
 from meshtrain.models.moe import MoETransformer
 from meshtrain.models.moe import experts
 from meshtrain.models.moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported, looped_linear
-from meshtrain.models.moe.layer import MoE, sequence_balance
+from meshtrain.models.moe.layer import sequence_balance
 from tests import oracle
 
 def small(**overrides) -> MoETransformer:
@@ -153,7 +153,7 @@ def test_bias_moves_against_the_load_after_each_step():
     model.after_optimizer_step()
     assert moe.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0, 0])
     assert moe.tokens_per_expert.sum() == 0  # counted afresh each step
-    assert model.metrics()[f"moe/load_max_over_mean/layer1"] == 2.0
+    assert model.metrics()["moe/load_max_over_mean/layer1"] == 2.0
 
 
 def test_sequence_balance_is_one_when_even_and_e_over_k_when_collapsed():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from torch import nn
 
 from tests.in_process import tiny_run, train_in_process

@@ -377,7 +377,7 @@ def _check_hf_model(m, sources) -> None:
     except ValueError as err:
         raise ConfigError(f"{where}: {err}") from None
     if importlib.util.find_spec("transformers") is None:
-        raise ConfigError(f'[model] name = "hf" builds the model with transformers, which is not installed: '
+        raise ConfigError('[model] name = "hf" builds the model with transformers, which is not installed: '
                           'pip install "meshtrain[hf]" (or pip install transformers)')
     for entry in m.hf_tp_plan:
         key, sep, style = entry.partition("=")
