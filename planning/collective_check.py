@@ -42,11 +42,11 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from meshtrain.planning import forked
 from meshtrain.planning.alike_blocks import BlockTags, collapse, expand
 from meshtrain.planning.collective_compare import (_short, compare_groups, compare_stage_boundaries,
                                                    play_schedule)
 from meshtrain.planning.collective_record import Call, RankTrace, RecordCollectives, partition
-from meshtrain.planning import forked
 from meshtrain.planning.representative_ranks import coordinates, rank_of, representatives, stands_for
 
 __all__ = ["Call", "RankTrace", "RecordCollectives", "partition", "coordinates", "rank_of", "representatives",
@@ -108,7 +108,7 @@ def trace_ranks(cfg, world_size: int, ranks: list[int], gpus_per_node: int, *, e
     """`trace_rank` of each of ``ranks``, in rank order, in ``jobs`` forked processes
     (planning/forked.py; None: one per core)."""
     return forked.map_forked(lambda rank: trace_rank(cfg, world_size, rank, gpus_per_node, every_block=every_block)[0],
-                      ranks, jobs)
+                             ranks, jobs)
 
 
 def check_collectives(cfg, world_size: int, gpus_per_node: int = 8, *, exhaustive: bool = False,

@@ -54,6 +54,13 @@ def rotary_angles(table: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(table.float())
 
 
+def block_inputs(table: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(angles, mask) every block of a forward takes: the whole table's angles, or with
+    ``positions`` [b, s] (packed documents) each token's own and the documents' mask."""
+    angles = rotary_angles(table)
+    return (angles, None) if positions is None else (angles[positions], document_mask(positions))
+
+
 def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs (x[2i], x[2i+1]) of x [b, s, h, d] by `angles` (unit
     complex numbers), [s, d/2] (the same positions in every sequence) or [b, s, d/2] (each
@@ -154,9 +161,7 @@ class Llama(nn.Module):
         documents (models/documents.py) -- rotary angles by each token's position and
         attention inside each document only. None: one document per sequence, as before."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        angles, mask = rotary_angles(self.rope), None
-        if positions is not None:
-            angles, mask = angles[positions], document_mask(positions)
+        angles, mask = block_inputs(self.rope, positions)
         for layer in self.layers.values():
             h = layer(h, angles, mask=mask)
         h = self.norm(h) if self.norm is not None else h

@@ -17,8 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.models.common import build_from_flavor, cut_stage, fsdp_units
-from meshtrain.models.documents import document_mask
-from meshtrain.models.llama.model import Attention, FeedForward, rotary_angles, rotary_table
+from meshtrain.models.llama.model import Attention, FeedForward, block_inputs, rotary_table
 from meshtrain.models.moe.config import FLAVORS, MoEConfig
 from meshtrain.models.moe.layer import MoE
 from meshtrain.models.moe.loads import load_scalars, summed_loads
@@ -60,9 +59,7 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        angles, mask = rotary_angles(self.rope), None
-        if positions is not None:
-            angles, mask = angles[positions], document_mask(positions)
+        angles, mask = block_inputs(self.rope, positions)
         for layer in self.layers.values():
             h = layer(h, angles, mask=mask)
         h = self.norm(h) if self.norm is not None else h
