@@ -187,10 +187,12 @@ def run(argv: list[str] | None = None, command=main) -> int:
         command(argv)
         return 0
     except startup_signals.StoppedBySignal as stop:
+        startup_signals.ending()
         if debug:
             traceback.print_exc()
         return say_stopped_at_start_up(stop)
     except Exception as err:
+        startup_signals.ending()  # a bug keeps its traceback too, not the signal's
         code = exit_code(err)
         if code is None and "torch" in sys.modules:
             err, code = startup_collective_failure(err)

@@ -89,3 +89,22 @@ sys.exit(train.run(["--config", "debug_2d", "--dry-run", "--world-size", "4"]))
     assert proc.stdout == ""  # neither an exception in the trace nor a trace that went on
     assert proc.stderr.strip().startswith("meshtrain: error: stopped by SIGTERM during start-up")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_signal_while_a_rank_says_its_error_does_not_interrupt_it(monkeypatch, capsys):
+    # One rank refuses a layout and ends; torchrun then sends SIGTERM to the others, which may
+    # be saying the same error at that moment. Each must still end with its own one line and
+    # exit code, not with a traceback of the signal raised inside its error handling.
+    import os
+
+    from meshtrain import train
+    from meshtrain.parallel import LayoutError
+
+    def refused(argv):
+        raise LayoutError("pp*dp_replicate*dp_shard*tp = 6, but the world size is 4")
+
+    monkeypatch.setattr(train, "tell_torchrun", lambda message: os.kill(os.getpid(), signal.SIGTERM))
+    assert train.run([], command=refused) == 2
+    err = capsys.readouterr().err
+    assert err == "meshtrain: error: pp*dp_replicate*dp_shard*tp = 6, but the world size is 4\n"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

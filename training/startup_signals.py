@@ -75,6 +75,13 @@ def training_over() -> None:
     _State.phase = "shut-down"
 
 
+def ending() -> None:
+    """This process is already ending with its own message and exit code: a signal now
+    (torchrun's SIGTERM to the other ranks once one has failed) is let be, as a second one
+    is, rather than raised into the code saying that message."""
+    _State.fired = True
+
+
 def end_at_once() -> None:
     """From now on the handler ends the process itself (``on_blocked``: the same line and
     exit code) instead of raising StoppedBySignal into whatever runs. For the fake traces
