@@ -27,11 +27,13 @@ def default_jobs() -> int:
     Forking while another Python thread runs can copy a lock that thread holds (a logging
     handler's, a queue's) into the child, held forever (train.py's start-up signal watcher
     holds none: it waits in a read). macOS's system libraries are not safe to fork, which
-    is why Python starts its processes there by spawning (seconds of importing torch)."""
+    is why Python starts its processes there by spawning (seconds of importing torch).
+    And a pool's worker (`map_forked`'s: `plan --verify` dry-runs layouts in them) is a
+    daemonic process, which multiprocessing does not let have children of its own."""
     from meshtrain.training.startup_signals import WATCHER
 
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.name != WATCHER]
-    if others or not sys.platform.startswith("linux"):
+    if others or not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
         return 1
     return len(os.sched_getaffinity(0))
 
