@@ -21,6 +21,9 @@ Each file has one concern; imports go one way, from the bottom of this list to t
     step_time.py    step time: compute, exposed traffic, the bubble, the passes over the parameters
     report.py       estimates as text, and a layout as a train.py config
     estimate.py     memory + time = one layout's estimate; a train.py config's estimate
+    forked.py       independent fake traces at once, one forked process per core
+    alike_microbatches.py a pipeline rank's micro-batches alike an earlier one: a record repeated
+    stages_apart.py a pipeline rank's stages traced in two processes at once
     traced_step.py  one rank's training step on fake tensors, as train.py builds it
     alike_blocks.py       a stretch of alike blocks traced with three, expanded
     alike_memory.py       the dry run at the real depth from three and four alike blocks

@@ -100,6 +100,12 @@ def _plus(base: dict, delta: dict) -> dict:
     return out
 
 
+def first_highest(updates: list) -> int:
+    """Of one device's updates, the index of the first with the highest total: the one
+    update of them that can set a peak."""
+    return max(range(len(updates)), key=lambda i: next(iter(updates[i].values()))["Total"])
+
+
 class Copier:
     """Records traced actions (`traced`) and plays their records for the copies (`copy`)
     on the memory tracker (planning/fake_world.py `peak_only`) and the collective counter."""
@@ -135,7 +141,7 @@ class Copier:
         if t.timeline is None and t.recording is None and len(start) == 1 and updates:
             # Only the peak reads these updates, and of a record's only its first highest
             # can raise it (`note` keeps the first of equal totals).
-            updates = [max(updates, key=lambda u: next(iter(u[1].values()))["Total"])]
+            updates = [updates[first_highest(record.updates)]]
         for k, delta in updates:
             t.note(_plus(start, delta), (phase, record.tags[k][1]) if record.tags is not None else None)
         t._curr_mem_snap.clear()

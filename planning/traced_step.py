@@ -24,6 +24,7 @@ from meshtrain.parallel.grad_clip import _whole_group
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning.alike_microbatches import Copier, copies
 from meshtrain.planning.schedule import Action, rank_actions, replay_prefix
+from meshtrain.planning.stages_apart import away_stages, trace_apart, worth_splitting
 from meshtrain.training import recipe
 from meshtrain.training.step import logits_of, loss_function
 
@@ -116,7 +117,9 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
         traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
                   f"the others held)" if accum > 1 else f"one micro-batch of {local} sequences")
     else:
-        traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions, copy_alike)
+        traced_optimizer = any(not opt.defaults.get("fused") for opt in optimizers.optimizers)
+        traced = _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions, copy_alike,
+                                 apart=not traced_optimizer)
         traced += f"; x {accum} accumulation steps" if accum > 1 else ""
     comm.scale, comm.phase = (lambda dim, kind: 1), "gradient clipping"
     pp_mesh = submesh(mesh, "pp")
@@ -182,12 +185,14 @@ def pipeline_actions(layout, stage_ids: list[int]) -> list:
 
 
 def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel, actions=None,
-                    copy_alike: bool = True) -> str:
+                    copy_alike: bool = True, apart: bool = False) -> str:
     """Replay this rank's forwards and backwards (see `pipeline_actions`). As torch's
     PipelineStage does, FSDP neither reshards nor reduces after a backward until the
     stage's last one, so every local stage's unsharded gradients accumulate meanwhile. A
     micro-batch alike an earlier one is not traced but repeats its record
-    (planning/alike_microbatches.py), unless not ``copy_alike``."""
+    (planning/alike_microbatches.py), unless not ``copy_alike``. With ``apart`` (no
+    optimizer step traced after the replay), a rank's stages may be traced in two
+    processes at once (planning/stages_apart.py)."""
     t, n_micro = cfg.training, layout.pp_microbatches
     accum = layout.grad_accum(t.global_batch_size)
     n_stages, mb, seq = len(layout.stage_layers), layout.micro_batch, activation_seq(cfg, layout)
@@ -228,31 +233,47 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
         if x.dtype.is_floating_point:
             x.untyped_storage().resize_(0)
 
-    for a in actions:
-        part, scale = by_stage[a.stage], n_micro * accum / forwards[a.stage]
+    def setup(a) -> None:
         # TP collectives (and expert parallelism's all-to-alls) happen per micro-batch,
         # FSDP's per schedule step (once per accumulation step): scale what was traced to
         # the whole step.
-        comm.scale = lambda dim, kind, scale=scale: scale if dim in ("tp", "ep") else accum
+        scale = n_micro * accum / forwards[a.stage]
+        comm.scale = lambda dim, kind: scale if dim in ("tp", "ep") else accum
         comm.phase = f"{'forward' if a.kind == 'F' else 'backward'} of stage {a.stage}, micro-batch {a.microbatch}"
-        key = (a.stage, a.microbatch)
-        if key in copied:
-            copier.copy(a.kind, copied[key], comm.phase)
-            continue
-        with copier.traced(a.kind, key, keep=key in templates), loss_parallel_context(loss_parallel):
-            run(a, part)
-    # After the step's last backward the schedule reduces each stage's accumulated
-    # gradients (its REDUCE_GRAD action): torch's own method, on each traced stage.
-    from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    comm.phase = "gradient reduction"
-    comm.scale = lambda dim, kind: accum
-    for s, part in parts:
+    def reduce(s, part) -> None:
+        # After the step's last backward the schedule reduces each stage's accumulated
+        # gradients (its REDUCE_GRAD action): torch's own method, on each traced stage.
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        comm.phase = "gradient reduction"
+        comm.scale = lambda dim, kind: accum
         _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=part), 1)
+
+    def act(a) -> None:
+        with loss_parallel_context(loss_parallel):
+            run(a, by_stage[a.stage])
+
+    away = away_stages(parts, layout, actions, copied) if apart and copied and worth_splitting(parts, tracker) else []
+    if away:
+        trace_apart(actions, copied, parts, away, copier, setup, act, reduce)
+    else:
+        for a in actions:
+            setup(a)
+            key = (a.stage, a.microbatch)
+            if key in copied:
+                copier.copy(a.kind, copied[key], comm.phase)
+                continue
+            with copier.traced(a.kind, key, keep=key in templates):
+                act(a)
+        for s, part in parts:
+            reduce(s, part)
     held = ", ".join(f"stage {s}: {forwards[s]}" for s in by_stage)
     traced = f"{layout.pp_schedule} order of this rank up to its last new state, drained; forwards ({held}) of {n_micro} micro-batches"
     if copied:
         counts = ", ".join(f"{sum(a.kind == 'F' and a.stage == s and (s, a.microbatch) not in copied for a in actions)}"
                            for s in by_stage)
         traced += f", of which {counts} traced, the others repeating an alike one"
+    if away:
+        traced += f" (stage{'s' if len(away) > 1 else ''} {', '.join(map(str, away))} in a second process at once)"
     return traced
