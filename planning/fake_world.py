@@ -261,7 +261,25 @@ def peak_only(tracker_cls):
         def _track(self, reftype, t) -> None:
             if not getattr(_in_sharding_propagation, "on", False):
                 super()._track(reftype, t)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # torch's MemTracker (the one for a rank without FSDP, or with several
+            # pipeline stages) hooks every parameter's gradient as a module first runs,
+            # and a frozen one (LoRA's base) refuses a hook: RuntimeError. Frozen
+            # parameters get no gradient to track; they are marked hooked already.
+            for q in module.parameters():
+                if not q.requires_grad and self._param_to_grad_hook_handles.get(q) is None:
+                    self._param_to_grad_hook_handles[q] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
     return PeakOnly
+
+
+class _NO_HOOK:
+    """What the tracker removes at its exit in place of a frozen parameter's hook."""
+
+    @staticmethod
+    def remove() -> None:
+        pass
 
 
 def grouped_units(tracker_cls):

@@ -54,13 +54,19 @@ def away_stages(parts, layout, actions, copied) -> list[int]:
 
 
 def worth_splitting(parts, tracker) -> bool:
-    """Whether to trace this rank's stages apart: several stages, a second core to fork
-    onto, one device's memory followed (a record plays its highest update only), no
-    timeline of every update (planning/alike_memory.py), and clipping's meshes all held
-    here whichever stages go (a stage's norms are all-reduced per mesh). The caller also
+    """Whether to trace this rank's stages apart: several stages, every weight trained,
+    a second core to fork onto, one device's memory followed (a record plays its highest
+    update only), no timeline of every update (planning/alike_memory.py), and clipping's
+    meshes all held here whichever stages go (a stage's norms are all-reduced per mesh). The caller also
     makes sure no optimizer step is traced after the replay: it would miss the other
     process's gradients."""
     if len(parts) < 2 or tracker is None or tracker.timeline is not None:
+        return False
+    if any(not q.requires_grad for _, part in parts for q in part.parameters()):
+        # Frozen weights (LoRA's base): the tracker's module hooks keep gradients in
+        # reference cycles (torch's register_multi_grad_hook buffers them for inputs
+        # whose companions never get one), freed whenever Python's collector runs, and
+        # it runs at other moments in each process.
         return False
     if len(tracker._curr_mem_snap) != 1 or forked.default_jobs() < 2:
         return False

@@ -199,6 +199,28 @@ def test_lora_keeps_no_gradient_or_adamw_state_for_the_frozen_base_and_the_plann
     assert report["estimate"]["total"] == pytest.approx(report["memory"]["total"], rel=0.10)
 
 
+def test_lora_on_one_gpu_and_on_two_stages_a_rank_is_traced():
+    """torch's plain MemTracker (a rank without FSDP, or with several pipeline stages)
+    hooks every parameter's gradient, and a frozen one refuses a hook: the dry run of LoRA
+    on one GPU, or under an interleaved pipeline, ended in RuntimeError. Between steps on
+    one GPU: every weight in fp32 (4 bytes), a gradient and AdamW's two moments for the
+    adapters alone, counted here from the model's own trainable parameters."""
+    from meshtrain.training import recipe
+
+    cfg = load_config("lora_debug", ["--parallelism.dp_shard=1", "--parallelism.tp=1"])
+    between = dry_run(cfg, 1, quiet=True)["memory_between_steps"]
+    model = recipe.build_model(cfg, 1)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < adapters < 0.5 * sum(p.numel() for p in model.parameters())
+    assert between["gradients"] == pytest.approx(4 * adapters, rel=0.05)
+    assert between["optimizer state"] == pytest.approx(8 * adapters, rel=0.05)
+    piped = dry_run(load_config("lora_debug", ["--parallelism.pp=2", "--parallelism.tp=1",
+                                               "--parallelism.pp_schedule=Interleaved1F1B",
+                                               "--parallelism.pp_stages_per_rank=2", "--parallelism.pp_microbatches=4",
+                                               "--training.global_batch_size=16"]), 4, 1, quiet=True)
+    assert len(piped["stages"]) == 2 and piped["memory_between_steps"]["gradients"] > 0
+
+
 def test_muon_keeps_one_moment_for_the_hidden_matrices_and_adamws_two_for_the_rest():
     """[optimizer] name = "Muon": between steps the optimizer state is Muon's momentum (4
     bytes) per held hidden-matrix parameter and AdamW's m and v (8 bytes) for the rest."""
