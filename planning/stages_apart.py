@@ -23,8 +23,14 @@ exist here; its norms of them (a few bytes each, after the step's peak: the redu
 before it has freed the unsharded gradients) are not traced, and every mesh its
 collectives use holds a gradient of this process's stages (`worth_splitting`).
 
-`tests/test_alike_microbatches.py` checks the reports are the same, byte for byte, with
-and without the split, on every schedule with several stages per rank.
+Not split where that premise fails in the tracker: with frozen weights (LoRA's base)
+torch's module hooks keep gradients in reference cycles, freed whenever Python's
+collector runs, at other moments in each process (`worth_splitting`).
+
+`tests/test_stages_apart.py` checks the reports are the same, byte for byte, as one
+process tracing every micro-batch (Interleaved1F1B, first rank and last rank with
+accumulation; LoopedBFS with TP), and that they differ when the forked records' net
+changes are dropped.
 """
 
 from __future__ import annotations
