@@ -96,7 +96,7 @@ def trace_apart(actions, copied, parts, away, copier, setup, run, reduce) -> Non
     start = copier._now()
     peak = dict(tracker._peak_mem), {dev: dict(snap) for dev, snap in tracker._peak_mem_snap.items()}
 
-    def trace(stages) -> tuple[dict, dict]:
+    def trace(stages) -> None:
         for a in actions:
             key = (a.stage, a.microbatch)
             if a.stage in stages and key not in copied:
@@ -107,11 +107,16 @@ def trace_apart(actions, copied, parts, away, copier, setup, run, reduce) -> Non
             if s in stages:
                 with copier.traced("R", (s, None), keep=True):
                     reduce(s, part)
+
+    def traced_away() -> tuple[dict, dict]:
+        """In the forked process: its records, cut to what the peak needs, and its stages'
+        input and output shapes."""
+        trace(set(away))
         return ({k: _highest_only(r) for k, r in copier.records.items()},
-                {s: io for s, io in comm.stage_io.items() if s in stages})
+                {s: io for s, io in comm.stage_io.items() if s in away})
 
     counted, comm.stats = comm.stats, CommStats()  # counted below, in the step's order
-    with forked.later(lambda: trace(set(away))) as theirs:
+    with forked.later(traced_away) as theirs:
         trace({s for s, _ in parts} - set(away))
         records, stage_io = theirs()
     comm.stats = counted

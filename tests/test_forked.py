@@ -45,7 +45,6 @@ def test_no_fork_while_another_python_thread_runs():
         other.join()
 
 
-@pytest.mark.slow
 def test_a_pools_worker_forks_no_processes_of_its_own():
     """`plan --verify` dry-runs layouts in a pool's workers, and a dry run may fork (a
     pipeline rank's stages, planning/stages_apart.py): a pool's worker is daemonic, and
@@ -53,6 +52,7 @@ def test_a_pools_worker_forks_no_processes_of_its_own():
     assert map_forked(lambda _: forked.default_jobs(), range(2), jobs=2) == [1, 1]
 
 
+@pytest.mark.slow
 def test_the_layout_search_judges_in_forked_processes_what_it_judges_in_one(monkeypatch, tmp_path):
     # The debug Llama on 4 GPUs: 272 candidate layouts, in 17 pieces of 16.
     job = Job(resolve_model("debug"), get_gpu("h100-80gb"), nodes=1, gpus_per_node=4, seq_len=1024,
