@@ -22,7 +22,7 @@ from meshtrain.parallel import clip_grad_norm_, loss_parallel_context, submesh
 from meshtrain.parallel.float8 import precompute_float8_scales
 from meshtrain.parallel.grad_clip import _whole_group
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
-from meshtrain.planning.alike_microbatches import Copier, copies
+from meshtrain.planning.alike_microbatches import Copier, copies, keep_gathered
 from meshtrain.planning.schedule import Action, rank_actions, replay_prefix
 from meshtrain.planning.stages_apart import away_stages, trace_apart, worth_splitting
 from meshtrain.training import recipe
@@ -201,7 +201,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     actions = actions or pipeline_actions(layout, list(by_stage))
     forwards = {s: sum(a.kind == "F" and a.stage == s for a in actions) for s in by_stage}
     pending, loss_fn = {}, step_loss(cfg)
-    copied = copies(actions) if copy_alike and tracker is not None else {}
+    copied = copies(actions, keep_gathered(parts)) if copy_alike and tracker is not None else {}
     copier, templates = Copier(tracker, comm), set(copied.values())
 
     def run(a, part) -> None:

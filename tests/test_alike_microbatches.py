@@ -21,6 +21,8 @@ from meshtrain.training.config_loader import load_config
 PIPE = ["--parallelism.pp=2", "--parallelism.tp=1"]
 INTERLEAVED = (4, 0, [*PIPE, "--parallelism.pp_schedule=Interleaved1F1B", "--parallelism.pp_stages_per_rank=2",
                       "--parallelism.pp_microbatches=8", "--training.global_batch_size=16"])
+# Three blocks a stage: FULL_SHARD frees the first two's weights after each forward.
+INTERLEAVED_FULL_SHARD = (4, 0, [*INTERLEAVED[2], "--parallelism.sharding_strategy=FULL_SHARD", "--model.n_layers=12"])
 slow = lambda case: pytest.param(case, marks=pytest.mark.slow)
 CASES = {  # id: (world size, rank, overrides of debug_2d); the fast tier runs the first
     "interleaved_first_rank": INTERLEAVED,
@@ -34,6 +36,7 @@ CASES = {  # id: (world size, rank, overrides of debug_2d); the fast tier runs t
                                            "--parallelism.pp_microbatches=4",
                                            "--parallelism.sharding_strategy=FULL_SHARD",
                                            "--training.global_batch_size=8"])),
+    "interleaved_full_shard": slow(INTERLEAVED_FULL_SHARD),
     "looped_bfs_tp": slow((8, 1, [*PIPE[:1], "--parallelism.tp=2", "--parallelism.pp_schedule=LoopedBFS",
                              "--parallelism.pp_stages_per_rank=2", "--parallelism.pp_microbatches=6",
                              "--training.global_batch_size=12"])),
@@ -72,7 +75,7 @@ def test_without_the_forward_count_the_second_forwards_filing_is_repeated(monkey
     """The check above can fail: a history that leaves the count out (``[:4]``) lets later
     forwards repeat the second one, which moves the gathered weights from activations to
     parameters; repeated, that move is counted again and again."""
-    monkeypatch.setattr(alike_microbatches, "histories", lambda actions: [h[:4] for h in histories(actions)])
+    monkeypatch.setattr(alike_microbatches, "histories", lambda *args: [h[:4] for h in histories(*args)])
     copied, every = both(*INTERLEAVED)
     assert copied["memory_between_steps"] != every["memory_between_steps"]
 
@@ -93,10 +96,25 @@ def test_a_copy_repeats_an_earlier_traced_microbatch_of_its_stage_and_the_traced
         assert histories([actions[i] for i in kept]) == [whole[i] for i in kept]
 
 
-def test_llama405b_3d_rank_0_traces_17_of_its_48_forwards():
-    """pp 8, 2 stages a rank, 32 micro-batches (configs/llama405b_3d.toml)."""
+def test_llama405b_3d_rank_0_traces_8_of_its_48_forwards():
+    """pp 8, 2 stages a rank, 32 micro-batches (configs/llama405b_3d.toml): its stages keep
+    their weights gathered (SHARD_GRAD_OP), so four forwards of each are traced; 17 in all
+    if they freed them after each forward."""
     first = replay_prefix(rank_actions("Interleaved1F1B", 8, 2, 32)[0])
-    assert (sum(a.kind == "F" for a in first), len(copies(first))) == (48, 31)
+    assert sum(a.kind == "F" for a in first) == 48
+    assert (len(copies(first, keep_gathered={0, 8})), len(copies(first))) == (40, 31)
+
+
+def test_a_stage_that_frees_its_weights_after_forward_taken_for_one_that_keeps_them_misses_the_peak(monkeypatch):
+    """The check above can fail: under FULL_SHARD what a stage ran last decides whether a
+    forward gathers its weights again, and a history without it copies a wrong record."""
+    from meshtrain.planning import traced_step
+
+    world, rank, over = INTERLEAVED_FULL_SHARD
+    every = dry_run(load_config("debug_2d", over), world, rank, quiet=True, every_microbatch=True)
+    monkeypatch.setattr(traced_step, "keep_gathered", lambda parts: frozenset(s for s, _ in parts))
+    wrong = dry_run(load_config("debug_2d", over), world, rank, quiet=True)
+    assert wrong["memory"] != every["memory"]
 
 
 def test_a_copy_sets_the_peak_that_playing_each_of_its_updates_sets():
