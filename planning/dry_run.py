@@ -36,7 +36,7 @@ from meshtrain.planning.alike_blocks import KEEP, BlockTags, collapse
 from meshtrain.planning.alike_memory import Shallow, Timeline, extrapolate, worth_it
 from meshtrain.planning.collectives import CountCollectives, mesh_group_names
 from meshtrain.planning.estimate import NotModelled, estimate, planner_job
-from meshtrain.planning.fake_world import (breakdown, init_fake_world, memory_tracker, one_thread,
+from meshtrain.planning.fake_world import (breakdown, init_fake_world, few_collections, memory_tracker, one_thread,
                                            sharding_propagation_untracked)
 from meshtrain.planning.traced_step import activation_seq, build_rank, init_optimizer_state, trace_step
 from meshtrain.training import recipe
@@ -53,7 +53,7 @@ def dry_run(cfg, world_size: int, rank: int = 0, gpus_per_node: int = 8, gpu: st
     unless ``every_block``; a pipeline's micro-batches alike an earlier one repeat its
     record (planning/alike_microbatches.py), unless ``every_microbatch``: the references
     that are tested against."""
-    with one_thread() if fake else contextlib.nullcontext():
+    with one_thread() if fake else contextlib.nullcontext(), few_collections():
         return _dry_run(cfg, world_size, rank, gpus_per_node, gpu, fake=fake, quiet=quiet, every_block=every_block,
                         copy_alike=fake and not every_microbatch)
 
