@@ -74,7 +74,7 @@ def estimate(job: Job, lay: ParallelDims) -> Estimate:
         layout=lay, memory=memory_per_gpu(job, lay), step_time=t.seconds, tokens_per_s_per_gpu=tps,
         mfu=tps * model_flops / job.gpu.peak_bf16_flops, comm_bytes=t.comm_bytes, times=t.times,
         fsdp_comm_time=t.fsdp_comm_time, compute_split=t.compute_split,
-        warnings=network_warnings(job, lay) + tp_plan_warnings(job, lay),
+        warnings=job.net.doubts() + network_warnings(job, lay) + tp_plan_warnings(job, lay),
         moe_imbalance=job.moe_imbalance)
 
 

@@ -72,6 +72,13 @@ TREE_BANDWIDTH = 0.9          # NCCL: tree bus bandwidth x 0.9
 COLLECTIVE_SMS = 16
 
 
+# Beyond these a number is possible to write but not to buy (late 2026): said in the
+# estimate's output, since a unit slip (GB/s for Gb/s, both directions for one) is the likely cause.
+FASTEST_NIC = 1600e9 / 8       # bytes/s: ConnectX-9 (Vera Rubin), 1.6 Tb/s; ConnectX-8 800 Gb/s
+FASTEST_NVLINK = 1800e9        # bytes/s per GPU, one direction: NVLink 6 (Rubin); NVLink 5 (B200) is 900
+SLOWEST_HOP = 100 * US         # per ring step: NCCL's own are 3.4 (NVLink) and 9.6 (network)
+
+
 class TopologyError(ValueError):
     """A cluster description with impossible numbers; the message names the key."""
 
@@ -102,6 +109,27 @@ class Topology:
         for key in ("nvlink_latency", "network_latency"):
             if not getattr(self, key) >= 0:
                 raise TopologyError(f"{key} = {getattr(self, key)!r}: must be a latency of at least 0")
+
+    def doubts(self) -> list[str]:
+        """Numbers no cluster has, each in one line naming its file key: the estimate
+        prices them as given, and the plan's output warns."""
+        out = []
+        if self.nic_bandwidth > FASTEST_NIC:
+            out.append(f"nic_gbps = {self.nic_bandwidth * 8 / 1e9:g}: faster than any NIC made "
+                       f"({FASTEST_NIC * 8 / 1e9:.0f} Gb/s); it is one port's line rate in gigabits per second")
+        if self.nvlink_bandwidth > FASTEST_NVLINK:
+            out.append(f"nvlink_gb_per_s = {self.nvlink_bandwidth / 1e9:g}: faster than any NVLink "
+                       f"({FASTEST_NVLINK / 1e9:.0f} GB/s); it is one GPU's rate in one direction (an H100's: 450)")
+        network = self.nics_per_node * self.nic_bandwidth / self.gpus_per_node
+        if network > self.nvlink_bandwidth:
+            out.append(f"the node's NICs ({self.nics_per_node} x {self.nic_bandwidth * 8 / 1e9:g} Gb/s) give each of "
+                       f"its {self.gpus_per_node} GPUs {network / 1e9:.0f} GB/s, more than its NVLink's "
+                       f"{self.nvlink_bandwidth / 1e9:.0f}: a GPU's share of the network is capped at NVLink's")
+        for key, value in (("nvlink_latency_us", self.nvlink_latency), ("network_latency_us", self.network_latency)):
+            if value > SLOWEST_HOP:
+                out.append(f"{key} = {value / US:g}: each ring step pays it (NCCL's own: 3.4 over NVLink, 9.6 "
+                           f"over the network); it is in microseconds")
+        return out
 
     # ------------------------------------------------------------ where a group sits
 

@@ -151,6 +151,29 @@ def test_impossible_cluster_numbers_are_refused_by_key(change, message):
         Topology(gpus_per_node=8, nvlink_bandwidth=1, nics_per_node=8, nic_bandwidth=1, collective_sms=-1)
 
 
+@pytest.mark.parametrize("change, doubt", [
+    ({"nic_gbps": 3200}, "nic_gbps = 3200: faster than any NIC made (1600 Gb/s)"),
+    ({"nvlink_gb_per_s": 3600}, "nvlink_gb_per_s = 3600: faster than any NVLink (1800 GB/s)"),
+    ({"nics_per_node": 16, "nic_gbps": 1600}, "give each of its 8 GPUs 400 GB/s, more than its NVLink's 100"),
+    ({"network_latency_us": 500}, "network_latency_us = 500: each ring step pays it"),
+    ({"nvlink_latency_us": 250}, "nvlink_latency_us = 250: each ring step pays it"),
+])
+def test_numbers_no_cluster_has_are_priced_as_given_and_warned_in_the_estimate(change, doubt):
+    # An H100 node with its NVLink written down to 100 GB/s for the third case only.
+    base = customized(default_topology(H100, 8), {"nvlink_gb_per_s": 100} if "nics_per_node" in change else {}, "")
+    net = customized(base, change, "cluster.toml [topology]")
+    assert [d for d in net.doubts() if doubt in d] and len(net.doubts()) == 1
+    job = Job(resolve_model("8B"), H100, 2, 8, 8192, 32, topology=net)
+    lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=16, world_size=16, strategy="FULL_SHARD", ac="full",
+                       micro_batch=1)
+    assert any(doubt in w for w in estimate(job, lay).warnings)
+
+
+@pytest.mark.parametrize("gpu", ["h100-80gb", "h200-141gb", "b200", "a100-80gb", "h100-pcie"])
+def test_the_default_nodes_raise_no_doubt(gpu):
+    assert default_topology(get_gpu(gpu), 8).doubts() == []
+
+
 def test_a_topology_file_describes_a_cluster_and_the_cli_reports_bad_ones(tmp_path, capsys):
     good = tmp_path / "four_nics.toml"
     good.write_text("[topology]\nnics_per_node = 4\nnic_gbps = 200\n")
