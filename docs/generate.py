@@ -166,7 +166,7 @@ def section_doc(cls) -> str:
 
 def config_md() -> str:
     from meshtrain.training.config import SECTIONS, choices, default_of
-    from meshtrain.training.config_loader import _toml_value, describe_accepted
+    from meshtrain.training.config_values import describe_accepted, toml_value
 
     out = [
         "# Config reference",
@@ -191,7 +191,7 @@ def config_md() -> str:
         for f in fields(cls):
             meta = f.metadata
             if "choices" in meta:
-                accepted = ", ".join(f"`{_toml_value(c)}`" for c in choices(meta))
+                accepted = ", ".join(f"`{toml_value(c)}`" for c in choices(meta))
             elif f.type is bool:
                 accepted = "`true`, `false`"
             else:
@@ -201,7 +201,7 @@ def config_md() -> str:
             meaning = meta.get("help", "")
             if meta.get("aliases"):
                 meaning += "; elsewhere: " + ", ".join(f"`{a}`" for a in meta["aliases"])
-            out.append(f"| `{f.name}` | {cell(type_name(f.type))} | `{cell(_toml_value(default_of(f)))}` "
+            out.append(f"| `{f.name}` | {cell(type_name(f.type))} | `{cell(toml_value(default_of(f)))}` "
                        f"| {cell(accepted)} | {cell(meaning)} |")
     return "\n".join(out) + "\n"
 

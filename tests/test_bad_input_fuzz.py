@@ -52,7 +52,8 @@ import meshtrain.parallel.mesh as parallel_mesh  # noqa: E402
 from meshtrain import train  # noqa: E402
 from meshtrain.models.llama import Llama  # noqa: E402
 from meshtrain.training.config import PP_SCHEDULES, SECTIONS, choices  # noqa: E402
-from meshtrain.training.config_loader import CONFIGS_DIR, available_configs, describe_accepted, tomllib  # noqa: E402
+from meshtrain.training.config_loader import CONFIGS_DIR, available_configs, tomllib  # noqa: E402
+from meshtrain.training.config_values import describe_accepted  # noqa: E402
 from tests.in_process import ENV_KEYS  # noqa: E402
 
 # A bad config must be refused within this many seconds (CI shares 2 cores; a refusal

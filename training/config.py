@@ -2,8 +2,9 @@
 accepted values and help next to it.
 
 A run is one JobConfig. training/config_loader.py fills it -- defaults, then a TOML file
-(which may `extends` another), then `--section.key value` flags -- and checks every value
-against the metadata here before any process group exists. The help text and
+(which may `extends` another), then `--section.key value` flags -- and
+training/config_checks.py checks every value against the metadata here before any
+process group exists. The help text and
 docs/config.md are generated from the same metadata, so the three cannot drift apart.
 Nothing here imports torch: reading a config stays fast. The strategies, AC modes and
 pipeline schedules accepted are parallel's own (parallel/vocabulary.py, torch-free).

@@ -199,7 +199,8 @@ def checkpoint_folder(arg: str) -> Path:
 
 def parse_command_line(argv: list[str]) -> tuple[JobConfig, Path, str | None]:
     """(the config, the checkpoint step folder, --out or None), every input checked."""
-    from meshtrain.training.config_loader import check_validation, parse_args
+    from meshtrain.training.config_checks import check_validation
+    from meshtrain.training.config_loader import parse_args
 
     if not argv or argv[0].startswith("-"):
         raise ConfigError("meshtrain evaluate: the first argument is the checkpoint folder (meshtrain evaluate --help)")

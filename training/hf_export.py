@@ -18,7 +18,7 @@ Either way every rank learns whether the write succeeded, so a full disk stops a
 together with one message, not rank 0 alone while the others wait on a collective.
 
 A pipeline spreads the model over stages whose full tensors rank 0 does not receive, so
-export during training is for pp = 1 (config_loader refuses pp > 1); export a pipelined
+export during training is for pp = 1 (training/config_checks.py refuses pp > 1); export a pipelined
 run's checkpoints afterwards with `meshtrain export STEP_DIR OUT --format hf`.
 """
 

@@ -566,7 +566,7 @@ def open_hf_export(cfg: JobConfig, run: Parts, run_dir: Path):
     c = cfg.checkpoint
     if not c.export_hf_interval:
         return None
-    (module,) = run.modules  # pp = 1: config_loader refuses export during training under a pipeline
+    (module,) = run.modules  # pp = 1: config_checks refuses export during training under a pipeline
     return HFExport(run_dir / "hf", module=module, family=registry.get(cfg.model.name), model_config=run.model.cfg,
                     interval=c.export_hf_interval, background=c.async_save)
 
