@@ -58,7 +58,8 @@ def copies(actions, keep_gathered=frozenset()) -> dict[tuple[int, int], tuple[in
     micro-batch out leaves two forwards side by side, so the micro-batch whose forward
     follows the left-out backward is left out with it, and so on down the chain.
     ``keep_gathered``: the stages that do not reshard after a forward (`histories`); theirs
-    need no such chain, and four forwards of each are traced however many there are."""
+    need no such chain, and a few forwards of each are traced however many there are
+    (at most four on llama405b_3d's ranks)."""
     where = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(actions)}
     whole = histories(actions, keep_gathered)
     pair = lambda key: (whole[where["F", *key]], whole[where["B", *key]])
