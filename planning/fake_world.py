@@ -60,7 +60,9 @@ def few_collections():
     walks the whole heap: torch's modules, the fake world, the model. 405B's dry run at 512
     ranks ran 8 of them, 2.0 s of its 14 s; with young collections every 10,000 it runs
     one (0.8 s), and ends 2 s sooner. Cyclic garbage waits longer to be freed; the memory
-    the tracker counts does not depend on it (the same reports, byte for byte)."""
+    the tracker counts does not depend on it (the same reports of 20 configs and ranks,
+    byte for byte), but for the gradients torch's module hooks keep in cycles under
+    frozen weights (LoRA), which docs/dry_run.md describes."""
     before = gc.get_threshold()
     gc.set_threshold(10_000, *before[1:])
     try:

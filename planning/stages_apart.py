@@ -47,11 +47,10 @@ def _meshes(parts) -> set:
             for q in part.parameters() if q.requires_grad}
 
 
-def away_stages(parts, layout, actions, copied) -> list[int]:
+def away_stages(traced_forwards: dict[int, int], layout) -> list[int]:
     """The stages a forked process traces: about half of the traced blocks' work (each
     stage's traced forwards times its layers), the rest staying here."""
-    work = {s: sum(a.kind == "F" and a.stage == s and (s, a.microbatch) not in copied for a in actions)
-               * max(1, len(layout.stage_layers[s])) for s, _ in parts}
+    work = {s: n * max(1, len(layout.stage_layers[s])) for s, n in traced_forwards.items()}
     here, away = [], []
     for s in sorted(work, key=work.get, reverse=True):
         lighter = here if sum(work[t] for t in here) <= sum(work[t] for t in away) else away

@@ -254,7 +254,9 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
         with loss_parallel_context(loss_parallel):
             run(a, by_stage[a.stage])
 
-    away = away_stages(parts, layout, actions, copied) if apart and copied and worth_splitting(parts, tracker) else []
+    traced_forwards = {s: sum(a.kind == "F" and a.stage == s and (s, a.microbatch) not in copied for a in actions)
+                       for s in by_stage}
+    away = away_stages(traced_forwards, layout) if apart and copied and worth_splitting(parts, tracker) else []
     if away:
         trace_apart(actions, copied, parts, away, copier, setup, act, reduce)
     else:
@@ -271,8 +273,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
     held = ", ".join(f"stage {s}: {forwards[s]}" for s in by_stage)
     traced = f"{layout.pp_schedule} order of this rank up to its last new state, drained; forwards ({held}) of {n_micro} micro-batches"
     if copied:
-        counts = ", ".join(f"{sum(a.kind == 'F' and a.stage == s and (s, a.microbatch) not in copied for a in actions)}"
-                           for s in by_stage)
+        counts = ", ".join(str(n) for n in traced_forwards.values())
         traced += f", of which {counts} traced, the others repeating an alike one"
     if away:
         traced += f" (stage{'s' if len(away) > 1 else ''} {', '.join(map(str, away))} in a second process at once)"

@@ -16,7 +16,6 @@ import pytest
 from meshtrain.planning import forked, stages_apart
 from meshtrain.planning import traced_step
 from meshtrain.planning.dry_run import dry_run
-from meshtrain.planning.schedule import Action
 from meshtrain.training.config_loader import load_config
 
 PIPE = ["--parallelism.pp=2", "--parallelism.pp_stages_per_rank=2", "--parallelism.pp_microbatches=8"]
@@ -69,6 +68,4 @@ def test_stages_are_shared_out_by_their_traced_work():
     """Each stage's traced forwards times its layers; the heaviest first, each to the
     lighter side: 8 here, then 6 and 2 away, then 1 here (9 against 8)."""
     layout = SimpleNamespace(stage_layers=[[0, 1, 2], [3], [4, 5, 6, 7], [8]])
-    actions = [Action("F", s, m) for s in range(4) for m in range(2)]
-    parts = [(s, None) for s in range(4)]
-    assert stages_apart.away_stages(parts, layout, actions, copied={(1, 1): (1, 0)}) == [0, 3]
+    assert stages_apart.away_stages({0: 2, 1: 1, 2: 2, 3: 2}, layout) == [0, 3]
