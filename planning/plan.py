@@ -87,6 +87,10 @@ def parse_args(argv):
     p.add_argument("--efficiency", type=float,
                    help="fraction of the bf16 peak compute reaches (default: the GPU's measured "
                         "large-matmul fraction, an upper bound for a whole step)")
+    p.add_argument("--attention-efficiency", type=float, metavar="X",
+                   help="fraction of the bf16 peak the attention kernel reaches, forward and backward, for "
+                        "another kernel than torch's SDPA (default: SDPA's speed by sequence length as measured "
+                        "on H100 and H200, physics/kernels/; elsewhere FlashAttention-2's published fraction)")
     hardware.add_arguments(p)
     p.add_argument("--moe-imbalance", type=float, default=Job.moe_imbalance, metavar="X",
                    help="a mixture of experts under ep: the busiest ep rank receives X times the mean token "
@@ -112,8 +116,11 @@ def matmul_speeds(gpu) -> str:
     return f"large matmuls at {gpu.matmul_efficiency:.0%} of it (others by shape over {gpu.sms} SMs)"
 
 
-def attention_speed(gpu, seq: int) -> str:
-    """How the estimate times attention on ``gpu`` at ``seq``: measured by length, or published."""
+def attention_speed(gpu, seq: int, given: float = 0.0) -> str:
+    """How the estimate times attention on ``gpu`` at ``seq``: as ``given``, measured by length,
+    or published."""
+    if given:
+        return f"attention at {given:.0%} (--attention-efficiency)"
     rate = kernels.attention_rate(seq, gpu) / gpu.peak_bf16_flops
     if kernels.measured_attention(matmul.TABLES).get(gpu.name):
         return f"attention at {rate:.0%} (measured by length, physics/kernels/)"
@@ -142,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.efficiency <= 1:
             raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1]")
         gpu = dataclasses.replace(gpu, matmul_efficiency=args.efficiency)
+    if args.attention_efficiency is not None and not 0 < args.attention_efficiency <= 1:
+        raise PlanError(f"--attention-efficiency {args.attention_efficiency} must be in (0, 1]")
     try:
         net = hardware.from_arguments(args, gpu, args.gpus_per_node)
     except hardware.TopologyError as err:
@@ -154,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         raise PlanError(f"--moe-imbalance {args.moe_imbalance}: the busiest rank receives at least the mean; "
                         "use a number >= 1")
     job = Job(resolve_model(args.model, **dims), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
-              topology=net, moe_imbalance=args.moe_imbalance, chunked_loss=args.chunked_loss)
+              topology=net, moe_imbalance=args.moe_imbalance, chunked_loss=args.chunked_loss,
+              attention_efficiency=args.attention_efficiency or 0.0)
     if job.model.max_positions and args.seq_len > job.model.max_positions:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
                         f"learned positions, which train.py refuses; use --seq-len <= {job.model.max_positions}")
@@ -171,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
           f"sequences{', chunked loss' if job.chunked_loss else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s "
-          f"bf16: {matmul_speeds(gpu)}, {attention_speed(gpu, job.seq_len)}, memory-bound work at "
-          f"{gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "
+          f"bf16: {matmul_speeds(gpu)}, {attention_speed(gpu, job.seq_len, job.attention_efficiency)}, "
+          f"memory-bound work at {gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "
           f"(docs/planning.md, Validation).")
     if not fitting and smallest is None:
         reasons = "; ".join(f"{why} ({n} layouts)" for why, n in rejected.most_common(3))

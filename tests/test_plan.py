@@ -151,6 +151,23 @@ def test_compute_time_is_matmuls_attention_and_memory_bound_work_at_their_speeds
     assert compiled.compute_split["matmul"] == e.compute_split["matmul"]
 
 
+def test_another_attention_kernel_is_timed_at_the_fraction_given(job70, capsys):
+    # A source that ran another kernel (llm-foundry's Triton FlashAttention, bench/
+    # step_time_validation.py) or a user planning for one: --attention-efficiency X times every
+    # block's attention FLOPs (4 s d per head per token forward, causal half, 2.5x backward) at
+    # X of the peak, in place of SDPA's measured speed by length.
+    lay = ParallelDims(tp=8, pp=1, dp_replicate=1, dp_shard=8, world_size=64, strategy="FULL_SHARD", ac="none",
+                       micro_batch=2)
+    m, s, t = job70.model, job70.seq_len, 8
+    tokens = job70.global_batch // lay.dp * s
+    slow = estimate(dataclasses.replace(job70, attention_efficiency=0.1), lay)
+    assert slow.compute_split["attention"] == pytest.approx(
+        m.n_layers * 4 * s * m.dim / t / 2 * 3.5 * tokens / (0.1 * H100.peak_bf16_flops))
+    assert run(["--model", "70B", "--nodes", "1", "--gpu", "h100", "--seq-len", "8192", "--global-batch", "8",
+                "--top", "1", "--attention-efficiency", "0.1"]) in (0, 1)
+    assert "attention at 10% (--attention-efficiency)" in capsys.readouterr().out
+
+
 def test_fsdp_bytes_full_shard_is_two_gathers_and_one_reduce_scatter(job70):
     # One micro-batch per step, so one round: FULL_SHARD gathers each block in forward and
     # again in backward, the embedding and the head once (parallel/fsdp.py); SHARD_GRAD_OP
@@ -304,6 +321,8 @@ def test_cli_prints_a_table_and_writes_a_loadable_config(tmp_path):
     (["--global-batch", "7"], "--global-batch 7 is not divisible"),
     (["--gpus-per-node", "1"], "FSDP needs at least 2"),
     (["--jobs", "0"], "--jobs must be at least 1"),
+    (["--attention-efficiency", "0"], "--attention-efficiency 0.0 must be in (0, 1]"),
+    (["--attention-efficiency", "nan"], "must be in (0, 1]"),
 ])
 def test_cli_errors_exit_2_without_a_traceback(args, message, capsys):
     base = {"--model": "8B", "--nodes": "1", "--gpus-per-node": "8", "--gpu": "h100",
