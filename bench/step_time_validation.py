@@ -473,10 +473,10 @@ def with_tables(doc: str, tables: list[list[str]], marked: dict[str, str]) -> st
             j += 1
         lines[i:j] = table
     for prefix, text in marked.items():
-        marked = [k for k, line in enumerate(lines) if line.startswith(prefix)]
-        if len(marked) != 1:
-            raise ValueError(f"the doc has {len(marked)} lines starting {prefix!r}, not one")
-        lines[marked[0]] = prefix + text
+        found = [k for k, line in enumerate(lines) if line.startswith(prefix)]
+        if len(found) != 1:
+            raise ValueError(f"the doc has {len(found)} lines starting {prefix!r}, not one")
+        lines[found[0]] = prefix + text
     return "\n".join(lines)
 
 
