@@ -73,8 +73,8 @@ class ActivationProfile:
         return sum(self.blocks[j % period] for j in range(n_blocks))
 
 
-def probe_key(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
-              chunked_loss: bool = False) -> ProbeKey | None:
+def probe_key(model, seq_len: int, tp: int, ac: str, lora: tuple = (), chunked_loss: bool = False,
+              sequence_parallel: bool = True, loss_parallel: bool = True) -> ProbeKey | None:
     """The probe of a planner ModelShape's block at ``seq_len`` tokens per rank, or None
     for a family that cannot build a short copy of itself from a flavor (hf)."""
     from meshtrain.models import registry
@@ -85,8 +85,11 @@ def probe_key(model, seq_len: int, tp: int, ac: str, lora: tuple = (),
     c = dataclasses.replace(family.flavors[model.flavor], **dict(model.dims))
     if (c.dim, c.n_heads, c.ffn_hidden) != (model.dim, model.n_heads, model.ffn_hidden):
         return None  # a config that changes the flavor's shape: the probe would trace another block
+    # Without TP both are moot: one key for every such probe.
+    sequence_parallel, loss_parallel = (sequence_parallel, loss_parallel) if tp > 1 else (True, True)
     return ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac, lora=lora,
-                    dims=model.dims, experts=model.moe_layers > 0, chunked_loss=chunked_loss)
+                    dims=model.dims, experts=model.moe_layers > 0, chunked_loss=chunked_loss,
+                    sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
 def period_of(key: ProbeKey) -> int:

@@ -43,7 +43,7 @@ class RecordCollectives(CountCollectives):
         self.trace, self.members, self.partition_of = trace, {}, {}
         self.tag, self.tags = tag, {}  # group members -> the tag of each call
 
-    def on_collective(self, kind: str, payload: torch.Tensor, args) -> None:
+    def on_collective(self, kind: str, payload: torch.Tensor, args, gathered: int = 1) -> None:
         members = self._members(args)
         label = self.trace.labels.setdefault(members, self._group(args)[0])
         if label not in self.trace.partitions:
@@ -51,7 +51,7 @@ class RecordCollectives(CountCollectives):
         self.trace.calls.setdefault(members, []).append(
             Call(kind, tuple(payload.shape), str(payload.dtype).replace("torch.", ""), self.phase))
         self.tags.setdefault(members, []).append(self.tag())
-        super().on_collective(kind, payload, args)
+        super().on_collective(kind, payload, args, gathered)
 
     def _members(self, args) -> tuple:
         from torch.distributed.distributed_c10d import _resolve_process_group

@@ -71,11 +71,16 @@ class CountCollectives(TorchDispatchMode):
             tensor = tensors[0] if which == "out" or len(tensors) == 1 else tensors[-1]
             if name in ("allreduce_", "broadcast_"):
                 tensor = tensors[0]
-            self.on_collective(kind, tensor, args)
+            # The functional all-gather (TP's, through DTensor) takes only this rank's shard
+            # and returns the gathered tensor: the payload is the shard x the group's size.
+            gathered = args[1] if func.namespace == "_c10d_functional" and name == "all_gather_into_tensor" else 1
+            self.on_collective(kind, tensor, args, gathered)
 
-    def on_collective(self, kind: str, payload: torch.Tensor, args) -> None:
+    def on_collective(self, kind: str, payload: torch.Tensor, args, gathered: int = 1) -> None:
+        """``payload``: the tensor the collective is recorded by; ``gathered``: how many of it
+        the full payload is (a functional all-gather's shard: the group's size)."""
         dim, n = self._group(args)
-        self.stats.add(dim, kind, payload.numel() * payload.element_size(), n, self.scale(dim, kind))
+        self.stats.add(dim, kind, payload.numel() * payload.element_size() * gathered, n, self.scale(dim, kind))
 
     def _group(self, args) -> tuple[str, int]:
         for a in args:

@@ -126,6 +126,7 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
                chunked_loss=cfg.training.chunked_loss,
                # Hugging Face models' TP plans never apply sequence parallelism (models/hf/model.py)
                sequence_parallel=cfg.parallelism.sequence_parallel and cfg.model.name != "hf",
+               loss_parallel=cfg.parallelism.loss_parallel,
                topology=dataclasses.replace(topology, gpus_per_node=per_node) if topology else None)
 
 
@@ -153,21 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.training.config_loader import load_config
     from meshtrain.parallel import LayoutError
 
-    ap = argparse.ArgumentParser(prog="meshtrain estimate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="meshtrain estimate", description=__doc__.split("\n\n")[0],
+                                 epilog="Every config key can be overridden, as for meshtrain train and dry-run: "
+                                        "--section.key=value (e.g. --parallelism.tp=8).")
     ap.add_argument("--config", required=True, help="a configs/ name or a TOML file")
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
     hardware.add_arguments(ap)
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    args = ap.parse_args(argv)
+    args, overrides = ap.parse_known_args(argv)
     try:
         try:
             gpu = get_gpu(args.gpu)
         except KeyError as err:  # only the GPU's name: a KeyError elsewhere is a bug
             raise ConfigError(f"--gpu {args.gpu}: {err.args[0]}") from None
         net = hardware.from_arguments(args, gpu, args.gpus_per_node)
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, overrides)
         e = estimate_config(cfg, args.world_size, args.gpus_per_node, gpu, net)
     except (ConfigError, LayoutError, NotModelled, hardware.TopologyError) as err:
         print(f"meshtrain: error: {err}", file=sys.stderr)

@@ -206,13 +206,15 @@ def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recomput
                    memory=mem * k_mem / gpu.hbm_bandwidth)
 
 
-def head_seconds(m, *, tokens: float, tp: int, gpu, chunked_loss: bool = False) -> Seconds:
+def head_seconds(m, *, tokens: float, tp: int, gpu, chunked_loss: bool = False, loss_parallel: bool = True) -> Seconds:
     """The output layer's matmul (tokens x dim @ dim x vocab / tp, at its shape) and the fp32
-    cross-entropy over this GPU's vocabulary (``chunked_loss``: training/chunked_loss.py's)."""
+    cross-entropy over this GPU's vocabulary (``chunked_loss``: training/chunked_loss.py's):
+    its vocab shard under loss_parallel, else the whole vocabulary, gathered."""
     out = (m.head_split if m.head_split else m.embedding) / tp
     fwd, bwd = linear_seconds(round(tokens), m.dim, round(out / m.dim), gpu)
+    vocab = m.vocab / (tp if loss_parallel else 1)
     return Seconds(matmul=fwd + bwd,
-                   memory=(LOSS_BYTES_CHUNKED if chunked_loss else LOSS_BYTES) * m.vocab / tp * tokens
+                   memory=(LOSS_BYTES_CHUNKED if chunked_loss else LOSS_BYTES) * vocab * tokens
                    / gpu.hbm_bandwidth)
 
 

@@ -48,7 +48,7 @@ def fsdp2_model_states(n_params: float, dp_shard: int) -> dict[str, float]:
 
 # ---------------------------------------------------------------- closed forms of one block
 
-def layer_activation_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
+def layer_activation_bytes(m: ModelShape, s: int, b: int, t: int, sequence_parallel: bool = True) -> float:
     """Bytes autograd saves for one of *our* blocks' backward (bf16 compute; RMSNorm, GQA
     through SDPA/flash, SwiGLU; sequence parallel when t > 1, as in models/llama/tp_plan.py):
       full length (SP all-gathers the normed input; the q/k/v and w1/w3 matmuls save the
@@ -59,15 +59,20 @@ def layer_activation_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
       SwiGLU: w1 out, silu out, w3 out, their product (= w2 input)    4 x 2sb·f/t
         (a GeLU MLP, two matrices: fc out, GeLU out (= proj input)      2 x 2sb·f/t)
       SDPA's fp32 log-sum-exp per head                                4sb·a/t
-    Flash attention keeps no s x s matrix; rotary saves only its angles (a view of the model's table)."""
+    Flash attention keeps no s x s matrix; rotary saves only its angles (a view of the model's table).
+    Without sequence parallelism (``[parallelism] sequence_parallel = false``, and every
+    Hugging Face plan) each rank holds the whole sequence between the sub-blocks: the norm
+    inputs are full length too."""
     h, f, kv, a = m.dim, m.ffn_hidden, m.kv_dim, m.n_heads
     ffn = 4 if gated(m) else 2
-    return s * b * (BF16 * 2 * h + (BF16 * (4 * h + 2 * kv + ffn * f) + FP32 * a) / t)
+    norms = BF16 * 2 * h / (t if sequence_parallel else 1)
+    return s * b * (BF16 * 2 * h + norms + (BF16 * (2 * h + 2 * kv + ffn * f) + FP32 * a) / t)
 
 
-def block_input_bytes(m: ModelShape, s: int, b: int, t: int) -> float:
-    """What a checkpointed block keeps: its input, sequence-sharded (2sbh/t)."""
-    return BF16 * s * b * m.dim / t
+def block_input_bytes(m: ModelShape, s: int, b: int, t: int, sequence_parallel: bool = True) -> float:
+    """What a checkpointed block keeps: its input, sequence-sharded (2sbh/t), or whole
+    without sequence parallelism (2sbh)."""
+    return BF16 * s * b * m.dim / (t if sequence_parallel else 1)
 
 
 def rank_params(m: ModelShape, share: RankShare, tp: int, ep: int = 1) -> tuple[float, float]:
@@ -167,7 +172,8 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float
 def probe_of(job: Job, lay: ParallelDims) -> ProbeKey | None:
     """The activation probe a layout's memory reads (planning/activations.py); None for a
     family without one (its activations come from formulas)."""
-    return probe_key(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora, job.chunked_loss)
+    return probe_key(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora, job.chunked_loss,
+                     sequence_parallel=job.sequence_parallel, loss_parallel=job.loss_parallel)
 
 
 def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
@@ -283,7 +289,8 @@ def formula_activations(job: Job, lay: ParallelDims, share: RankShare) -> float:
     # Under context parallelism every activation holds this rank's seq / cp tokens (the
     # all-to-alls trade tokens for heads: q, k, v keep their bytes).
     m, s, b, t = job.model, job.seq_len // lay.cp, lay.micro_batch, lay.tp
-    full, kept = layer_activation_bytes(m, s, b, t), block_input_bytes(m, s, b, t)
+    sp = job.sequence_parallel
+    full, kept = layer_activation_bytes(m, s, b, t, sp), block_input_bytes(m, s, b, t, sp)
     ckpt = checkpointed_blocks(share, lay.ac) / share.layers
     # Saved for backward by the micro-batches in flight: a checkpointed block keeps only
     # its input. Plus the working set of one block's backward: its gradients (and, when
@@ -296,14 +303,15 @@ def formula_activations(job: Job, lay: ParallelDims, share: RankShare) -> float:
         # backward; its peak is in backward: that log-softmax, the incoming gradient and
         # the one produced, 3 x 4 bytes per logit (forward peaks lower, at 2 + 4 + 4).
         # [training] chunked_loss keeps the bf16 logits instead, and its backward peaks at
-        # them, their bf16 gradient and one chunk's fp32 softmax.
-        logits = s * b * m.vocab / t
+        # them, their bf16 gradient and one chunk's fp32 softmax. Without loss_parallel the
+        # output layer gathers the whole vocabulary's logits on every tp rank.
+        logits = s * b * m.vocab / (t if job.loss_parallel else 1)
         if job.chunked_loss:
             kept_logits = BF16 * logits
             loss_working = 2 * BF16 * logits + FP32 * min(chunked_loss.CHUNK_ELEMENTS, logits)
         else:
             kept_logits, loss_working = FP32 * logits, 3 * FP32 * logits
-        saved += share.head_inflight * BF16 * s * b * m.dim * (1 + 1 / t)
+        saved += share.head_inflight * BF16 * s * b * m.dim * (1 + (1 / t if sp else 1))
         saved += (share.head_inflight - 1) * kept_logits   # other micro-batches' (GPipe)
         working = max(working, loss_working)
     return saved + working

@@ -183,6 +183,9 @@ class Job:
     lora: tuple = ()  # (rank, alpha, target_modules) of [lora], for the activation probe
     chunked_loss: bool = False  # [training] chunked_loss: no fp32 copy of the logits (training/chunked_loss.py)
     sequence_parallel: bool = True  # [parallelism] sequence_parallel (Hugging Face models never apply it)
+    # [parallelism] loss_parallel: under TP the loss runs on vocab-sharded logits; False: the
+    # output layer gathers them whole on every tp rank, and the loss runs over all of them.
+    loss_parallel: bool = True
     topology: Topology | None = None  # the links; None: a DGX / HGX-class node of `gpu` (planning/hardware.py)
     # [optimizer] name = "Muon": the fraction of the trained parameters Muon updates (the
     # hidden matrices), which keep one fp32 moment instead of AdamW's two.

@@ -93,7 +93,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
             seconds = (seconds + (run(moe_block, "full") + experts("full")) * ckpt_moe
                        + (run(moe_block, kept) + experts(kept)) * (n_moe - ckpt_moe))
         if share.last:
-            seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu, chunked_loss=job.chunked_loss)
+            seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu, chunked_loss=job.chunked_loss,
+                                             loss_parallel=job.loss_parallel)
         compute = seconds.total
         parts.append(seconds)
         # TP: the gathers, scatters and all-reduces of whole activations torch runs
@@ -103,6 +104,10 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                                      shared_experts=m.shared_hidden > 0, reductions=m.tp_reductions)
                       if t > 1 else (0, 0))
         tp_b = (n_gs + 2 * n_ar) * act * (t - 1) / t
+        # Without loss_parallel the output layer all-gathers its bf16 logits over the
+        # vocabulary (its backward only slices the whole gradient: no collective).
+        logits = BF16 * tokens * m.vocab if share.last and t > 1 and not job.loss_parallel else 0.0
+        tp_b += logits * (t - 1) / t
         # PP: each stage boundary sends the sequence-sharded activation forward and its
         # gradient back.
         sends = 2 * len(share.stage_layers) - share.first - share.last if lay.pp > 1 else 0
@@ -125,7 +130,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         recomputed = share.layers if lay.ac == "op" else ckpt  # op recomputes element-wise work: the copies too
         copies = tp_layout_copies(share, recomputed, b) if t > 1 and job.sequence_parallel else 0
         tp_mb = (n_gs * net.seconds("all-gather", act, *tp_g) + n_ar * net.seconds("all-reduce", act, *tp_g)
-                 + copies * 2 * act / gpu.hbm_bandwidth)
+                 + copies * 2 * act / gpu.hbm_bandwidth + (net.seconds("all-gather", logits, *tp_g) if logits else 0.0))
         per_mb.append((compute, tp_mb,
                        sends * net.seconds("send/recv", act / t, *pp_g),
                        4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g),

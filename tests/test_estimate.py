@@ -48,3 +48,18 @@ def test_json_has_every_category_and_the_fits_rule_the_dry_run_uses(capsys):
     assert set(d["memory_gib"]) == {"params", "grads", "optimizer", "activations", "transient", "total"}
     assert d["usable_gib"] == pytest.approx(72.0) and d["fits"] == (d["memory_gib"]["total"] <= 72.0)
     assert d["tokens_per_s_per_gpu"] > 0 and 0 < d["mfu"] < 1
+
+
+def test_config_keys_are_overridden_on_the_command_line_as_for_train_and_dry_run(capsys):
+    # The same --section.key=value / --section.key value overrides as train and dry-run.
+    assert main(["--config", "llama70b_2d", "--world-size", "64", "--json", "--parallelism.loss_parallel", "false"]) == 0
+    gathered = json.loads(capsys.readouterr().out)
+    assert main(["--config", "llama70b_2d", "--world-size", "64", "--json"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    # tp 8: each rank's loss runs over the whole vocabulary, its fp32 logits 8x larger
+    assert gathered["memory_gib"]["activations"] > sharded["memory_gib"]["activations"] + 5
+    assert main(["--config", "llama70b_2d", "--world-size", "64", "--parallelism.tpp=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtrain: error: ") and "Did you mean 'tp'?" in err
+    assert main(["--config", "llama70b_2d", "--world-size", "64", "stray"]) == 2
+    assert "unexpected argument 'stray'" in capsys.readouterr().err
