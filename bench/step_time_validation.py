@@ -315,7 +315,11 @@ def held_out(triton_slowdown: float = TRITON_FLASH_SLOWDOWN) -> list[dict]:
     for report, run, gpus, size, tp, fsdp, compiled, tok_s, mfu, mem in KEMPNERFORGE:
         b, accum = KEMPNERFORGE_BATCH[size]
         nodes, per_node = (gpus + 3) // 4, min(gpus, 4)
-        job = Job(kempnerforge_model(size), H200, nodes, per_node, 4096, fsdp * b * accum, compiled=compiled)
+        # Its TP plan gathers the output layer's logits whole on every tp rank and the loss runs
+        # on them (kempnerforge/distributed/tensor_parallel.py, "gather to Replicate for loss";
+        # scripts/train.py, F.cross_entropy): meshtrain's loss_parallel = false.
+        job = Job(kempnerforge_model(size), H200, nodes, per_node, 4096, fsdp * b * accum, compiled=compiled,
+                  loss_parallel=False)
         lay = ParallelDims(tp=tp, pp=1, dp_replicate=1, dp_shard=fsdp, world_size=gpus, strategy="FULL_SHARD",
                            ac="full", micro_batch=b)
         name = "mfu_scaling" if report == "mfu" else "weak_scaling_160gpu"
