@@ -285,6 +285,53 @@ LLAMA3_405B = [(8192, 8, 1, 16, 64, 8192, 32, 430, 43), (16384, 8, 1, 16, 128, 8
 LLAMA3_TOKENS_PER_BATCH = 16 * 2**20
 
 
+# NVIDIA's DGX Cloud Benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking, release
+# v25.02.01): NeMo 24.12 / 24.09 (Megatron-Core with Transformer Engine) and MaxText 25.01 (JAX),
+# H100 SXM 80 GB, 8 per node, bf16, each recipe's YAML or configure.sh at that commit for the
+# settings. Published per run: training step time, tokens/s of the job (= sequence x global
+# batch / step time) and an MFU whose FLOPs count differs between releases: the tokens/s are
+# used, divided by the GPUs. NeMo's runs use the distributed optimizer (ZeRO-1: planned as
+# SHARD_GRAD_OP, whose gathers and reductions under a pipeline are once a step, as its are; at
+# pp = 1 meshtrain reduces every micro-batch, Megatron once a step), Megatron's vocabulary-
+# parallel cross-entropy (loss_parallel), sequence parallelism with TP, fused kernels (planned
+# as compiled). Not expressed, so estimated as meshtrain would run the layout: TP communication
+# overlapped with the GEMMs (`ub_tp_comm_overlap`, on for Llama 3.1 70B / 405B, Nemotron-4 15B
+# and GPT-3; off for Nemotron-4 340B), Megatron's ring-exchange CP (priced as meshtrain's
+# all-to-all CP), gradient-accumulation fusion. Columns: recipe, GPUs, layers, global batch,
+# TP, PP, CP, virtual stages per rank, micro-batch, step time s, tok/s as published.
+DGXC_COMMIT = "0b71cfda5163540778e2a3d2db59858bf62f96f7"
+DGXC_README = {"llama3.1 8b": "llama3.1/README_8b.md", "llama3.1 70b": "llama3.1/README_70b.md",
+               "llama3.1 405b": "llama3.1/README_405b.md", "nemotron4 15b": "nemotron/README_15b.md",
+               "nemotron4 340b": "nemotron/README_340b.md", "gpt3 175b": "nemo_megatron/README_175b.md",
+               "maxtext llama3 70b": "maxtext/README_70b.md"}
+DGXC = [
+    *[("llama3.1 8b", g, 32, 16 * g, 1, 1, 2, 1, 1, t, tok) for g, t, tok in
+      [(8, 12.78, 82028), (16, 12.99, 161443), (32, 13.00, 322638), (64, 13.00, 645277), (128, 13.16, 1275155)]],
+    *[("llama3.1 70b", g, 80, 2 * g, 4, 4, 2, 5, 1, t, tok) for g, t, tok in
+      [(64, 14.61, 71756), (128, 14.70, 142663), (256, 14.72, 284881), (512, 14.80, 566797),
+       (1024, 14.86, 1129246), (2048, 14.84, 2260623)]],
+    # The recipe's smaller runs keep a 405B layer's shape with fewer layers (its table's "Layers").
+    ("llama3.1 405b", 32, 7, 126, 8, 1, 2, 1, 1, 9.00, 114637),
+    ("llama3.1 405b", 96, 21, 126, 8, 3, 2, 7, 1, 8.87, 116342),
+    ("llama3.1 405b", 192, 42, 252, 8, 3, 2, 7, 1, 17.30, 119328),
+    ("llama3.1 405b", 576, 126, 252, 8, 9, 2, 7, 1, 17.50, 117964),
+    ("llama3.1 405b", 1152, 126, 504, 8, 9, 2, 7, 1, 17.60, 234589),
+    ("llama3.1 405b", 2304, 126, 1008, 8, 9, 2, 7, 1, 17.70, 466527),
+    *[("nemotron4 15b", g, 32, 4 * g, 4, 1, 1, 1, 4, t, tok) for g, t, tok in
+      [(16, 2.812, 93223), (32, 2.824, 185654), (64, 2.845, 368568), (128, 2.859, 733526),
+       (256, 2.852, 1470654), (512, 2.875, 2917777), (1024, 2.895, 5795239), (2048, 2.887, 11622595)]],
+    *[("nemotron4 340b", g, 96, g // 4, 8, 8, 1, 12, 1, t, tok) for g, t, tok in
+      [(128, 4.61, 28432), (256, 4.67, 56134), (512, 4.70, 111551), (1024, 4.73, 221686), (2048, 4.84, 433296)]],
+    # The README's table header says VP=12; gpt3_175b_hydra.yaml, which the recipe launches, sets 6.
+    *[("gpt3 175b", g, 96, 2 * g, 4, 8, 1, 6, 1, t, tok) for g, t, tok in
+      [(128, 8.309, 63099), (256, 8.408, 124712), (512, 8.42, 249068), (1024, 8.453, 496191), (2048, 8.49, 988057)]],
+    *[("maxtext llama3 70b", g, 80, 2 * g, 1, 1, 1, 1, 2, t, tok) for g, t, tok in
+      [(128, 15.563, 134752.43), (256, 15.444, 271581.46), (512, 15.519, 540537.92), (1024, 15.603, 1075255.78),
+       (2048, 15.898, 2110607.12)]],
+]
+DGXC_SEQ = {"gpt3 175b": 2048, "nemotron4 15b": 4096, "nemotron4 340b": 4096}  # the others 8,192
+
+
 def kempnerforge_model(size: str) -> ModelShape:
     """The report's shapes: "7B" is Llama 3 8B's (8.03B parameters), 70B is Llama 3 70B's, 13B
     is dim 5120, 40 layers, 40 heads, 8 kv heads, FFN 17,920 (14.84B); vocabulary 128,256."""
@@ -307,10 +354,38 @@ def mpt_model(size: str, seq: int) -> ModelShape:
     return ModelShape.from_model(m, flavor=f"mpt-{size}", n_layers=layers, family="gpt2", learned_positions=True)
 
 
+def nemotron4_model(size: str) -> ModelShape:
+    """Nemotron-4 15B / 340B as the recipes' YAMLs give them: RoPE, GQA with 8 groups, untied
+    output, vocabulary 256,000, a squared-ReLU FFN of 4h (two matrices). Built as the llama
+    family with a SwiGLU of width 8h/3: three matrices of h x 8h/3 hold the same weights and
+    cost the same FLOPs as two of h x 4h (the FFN's memory-bound work and matmul shapes differ)."""
+    dim, heads, layers = {"15b": (6144, 48, 32), "340b": (18432, 96, 96)}[size]
+    return ModelShape.from_flavor("8B", 256_000, "llama", dim=dim, n_heads=heads, n_kv_heads=8,
+                                  ffn_hidden=8 * dim // 3, n_layers=layers)
+
+
+def gpt3_model() -> ModelShape:
+    """NeMo's GPT-3 175B (gpt3_175b_hydra.yaml): 96 layers of 12,288, 96 heads, GeLU MLP of 4h,
+    learned positions, the output layer tied to the embedding (NeMo's default), vocabulary
+    50,257 padded to a multiple of 128 x TP 4: 50,688."""
+    from meshtrain.models.gpt2.model import GPT2
+
+    m = GPT2.from_flavor("175B", meta=True, n_layers=1, vocab_size=50_688, max_seq_len=2048, tie_embeddings=True)
+    return ModelShape.from_model(m, flavor="gpt3-175b", n_layers=96, family="gpt2", learned_positions=True)
+
+
+def dgxc_model(recipe: str, layers: int) -> ModelShape:
+    if recipe.startswith("nemotron4"):
+        return nemotron4_model(recipe.split()[1])
+    if recipe == "gpt3 175b":
+        return gpt3_model()
+    return llama(recipe.split()[-1].upper(), layers)
+
+
 def held_out() -> list[dict]:
     """Published bf16 runs of other frameworks, not used to set any planner constant: each with
     its source, layout, the published figure and its conversion to tokens/s per GPU."""
-    return kempnerforge_rows() + mosaic_rows() + llama3_rows()
+    return kempnerforge_rows() + mosaic_rows() + llama3_rows() + dgxc_rows()
 
 
 def kempnerforge_rows() -> list[dict]:
@@ -378,6 +453,44 @@ def llama3_rows() -> list[dict]:
     return rows
 
 
+def dgxc_rows() -> list[dict]:
+    rows = []
+    for recipe, gpus, layers, batch, tp, pp, cp, vp, mb, step_s, tok_s in DGXC:
+        seq = DGXC_SEQ.get(recipe, 8192)
+        dp = gpus // (tp * pp * cp)
+        local = batch // dp
+        assert dp * tp * pp * cp == gpus and local * dp == batch and local % mb == 0
+        job = Job(dgxc_model(recipe, layers), H100, gpus // 8, 8, seq, batch, compiled=True)
+        if recipe.startswith("maxtext"):
+            # MaxText's FSDP over 8 GPUs a node and up to 16 nodes (ici_fsdp 8, dcn_fsdp the nodes,
+            # 16 from 64 nodes on, the rest data parallel: HSDP); remat_policy save_qkv_proj keeps
+            # the q/k/v projections and recomputes the rest (planned as full recomputation, which
+            # also reruns those three matmuls); cuDNN's flash attention through Transformer Engine.
+            shard = min(gpus, 128)
+            strategy = "FULL_SHARD" if shard == gpus else "HYBRID_SHARD"
+            lay = ParallelDims(tp=1, pp=1, dp_replicate=gpus // shard, dp_shard=shard, world_size=gpus,
+                               strategy=strategy, ac="full", micro_batch=mb)
+            layout = f"FSDP {shard}" + (f" x DP {gpus // shard}" if shard < gpus else "") + f", remat save_qkv_proj, {mb} x {seq:,}"
+        else:
+            # No recomputation in these recipes but Nemotron-4 340B's "selective" (Megatron's
+            # core-attention recompute: one more attention forward), planned without.
+            pipe = (dict(pp=pp, pp_schedule="Interleaved1F1B" if vp > 1 else "1F1B", pp_microbatches=local // mb,
+                         stages_per_rank=vp) if pp > 1 else dict(pp=1))
+            lay = ParallelDims(tp=tp, cp=cp, dp_replicate=1, dp_shard=dp, world_size=gpus, strategy="SHARD_GRAD_OP",
+                               ac="none", micro_batch=mb, **pipe)
+            layout = (f"TP {tp} x PP {pp}" + (f" (interleaved, {vp} per rank)" if pp > 1 and vp > 1 else "")
+                      + f" x CP {cp} x DP {dp}, {mb} x {local // mb} x {seq:,}")
+        shape = f"{layers} layers" if recipe.startswith("llama3.1 405b") and layers != 126 else ""
+        rows.append(dict(source=f"NVIDIA DGXC {recipe}, {gpus} GPUs", url=f"https://github.com/NVIDIA/dgxc-benchmarking/blob/"
+                                                                       f"{DGXC_COMMIT}/{DGXC_README[recipe]}",
+                         run=f"{recipe.split()[-1].upper()}{' (' + shape + ')' if shape else ''}, H100 {gpus // 8}x8, "
+                             f"{layout}",
+                         job=job, layout=lay, published=f"{tok_s:,} tok/s ({step_s} s a step)",
+                         published_value=tok_s, published_step_s=step_s, published_mfu=None,
+                         published_memory_gb=None, measured=tok_s / gpus))
+    return rows
+
+
 # Published runs looked at and left out, with the reason (printed below the held-out table).
 NOT_EXPRESSED = [
     ("Megatron-Bridge performance summary (docs/performance-summary*.md, 25.09-26.08), NeMo 24.07 "
@@ -392,6 +505,11 @@ NOT_EXPRESSED = [
     ("llm-foundry benchmarking README, A100 80GB / 40GB tables (122 rows)", "not taken this time: FSDP mixed "
      "precision \"PURE\" (the H100 rows' is \"DEFAULT\"), and physics/gpus.py's A100 matmul and attention "
      "speeds are assumptions, not measurements"),
+    ("NVIDIA DGXC v25.02.01, Grok-1 314B (grok1/README_314b.md)", "a mixture of experts of Grok-1's own shape, "
+     "not built as a native family; not taken this time"),
+    ("NVIDIA DGXC releases 24.11.1-25.05.05, the other tables", "the same recipes at other framework versions "
+     "(25.04 on: one H100 point each, some at other layouts, e.g. Nemotron-4 15B at TP 2); v24.11.1's PAXML 5B / "
+     "175B rows not taken this time; one release (v25.02.01) is used whole"),
     ("Llama 3 Table 4, all rows", "expressed approximately: Meta's schedule is its own (interleaved with a tunable "
      "number of consecutive micro-batches, one layer fewer on the first and last stages; V not stated, 2 assumed), "
      "its CP all-gathers K and V where the planner prices all-to-alls, and the 128K row's AC mode is not stated "

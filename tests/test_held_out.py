@@ -31,6 +31,14 @@ PUBLISHED = {
     "KempnerForge weak_scaling_160gpu, run 70b_160": 85_571,
 }
 LLAMA3_TFLOPS_MFU = [(430, 43), (400, 41), (380, 38)]  # TFLOP/s per GPU, BF16 MFU %
+# NVIDIA's DGXC recipes (v25.02.01): tok/s of the job, as each README's table prints it, in its order.
+DGXC_TOK_S = [82028, 161443, 322638, 645277, 1275155,                                  # Llama 3.1 8B
+              71756, 142663, 284881, 566797, 1129246, 2260623,                         # 70B
+              114637, 116342, 119328, 117964, 234589, 466527,                          # 405B
+              93223, 185654, 368568, 733526, 1470654, 2917777, 5795239, 11622595,      # Nemotron-4 15B
+              28432, 56134, 111551, 221686, 433296,                                    # 340B
+              63099, 124712, 249068, 496191, 988057,                                   # GPT-3 175B
+              134752.43, 271581.46, 540537.92, 1075255.78, 2110607.12]                 # MaxText Llama 3 70B
 
 
 def test_every_held_out_point_is_estimated_with_its_source_and_published_figure():
@@ -38,9 +46,12 @@ def test_every_held_out_point_is_estimated_with_its_source_and_published_figure(
     kempner = [r for r in rows if r["source"].startswith("KempnerForge")]
     llama3 = [r for r in rows if r["source"].startswith("Llama 3")]
     mosaic = [r for r in rows if r["source"].startswith("llm-foundry")]
-    assert len(rows) == len(kempner) + len(llama3) + len(mosaic) == len(PUBLISHED) + len(LLAMA3_TFLOPS_MFU) + 70
+    dgxc = [r for r in rows if r["source"].startswith("NVIDIA DGXC")]
+    assert len(rows) == len(kempner) + len(llama3) + len(mosaic) + len(dgxc) == (
+        len(PUBLISHED) + len(LLAMA3_TFLOPS_MFU) + 70 + len(DGXC_TOK_S))
     assert {r["source"]: r["published_value"] for r in kempner} == PUBLISHED
     assert [(r["published_value"], r["published_mfu"]) for r in llama3] == LLAMA3_TFLOPS_MFU
+    assert [r["published_value"] for r in dgxc] == DGXC_TOK_S
     for r in rows:
         assert r["url"].startswith("https://") and r["run"], r["source"]
         assert r["layout"].world_size == r["job"].world, r["source"]
@@ -62,9 +73,24 @@ def test_llm_foundry_rows_are_the_published_table():
         assert validation.mpt_model(size, seq).n_params == params, (size, seq)
 
 
+def test_dgxc_rows_are_the_published_tables():
+    # Each README prints a run's step time and the job's tok/s; the tok/s is the sequence x global
+    # batch over the step time (to the tables' rounding), so a mistyped figure in either column
+    # shows; the layout multiplies to the GPUs and the batch splits into whole micro-batches.
+    rows = [r for r in validation.held_out() if r["source"].startswith("NVIDIA DGXC")]
+    assert len(rows) == len(validation.DGXC) == 40
+    for r in rows:
+        job, lay = r["job"], r["layout"]
+        tokens = job.seq_len * job.global_batch
+        assert math.isclose(tokens / r["published_step_s"], r["published_value"], rel_tol=5e-4), r["source"]
+        assert r["url"].endswith(".md") and validation.DGXC_COMMIT in r["url"], r["source"]
+        local = job.global_batch // (lay.dp_shard * lay.dp_replicate)
+        assert local % lay.micro_batch == 0 and (lay.pp == 1 or lay.pp_microbatches * lay.micro_batch == local)
+
+
 def test_published_figures_are_converted_to_tokens_per_second_per_gpu():
     for r in validation.held_out():
-        if r["source"].startswith("KempnerForge"):  # the job's tok/s over its GPUs
+        if r["source"].startswith(("KempnerForge", "NVIDIA DGXC")):  # the job's tok/s over its GPUs
             assert r["measured"] == r["published_value"] / r["job"].world
         elif r["source"].startswith("llm-foundry"):  # published per GPU
             assert r["measured"] == r["published_value"]
