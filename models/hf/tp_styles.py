@@ -84,6 +84,15 @@ REFUSED: dict[str, tuple[str, str]] = {
         "output reaches every head without passing a split layer, so that slice's gradient must be summed "
         "over the TP ranks and the rest's must not; torch's styles act on a module's whole output",
         _ONLY_THE_MLP),
+    "unit_colwise": (
+        "it splits query/key/value projections by whole heads over a mesh of its own, replicating heads "
+        "where there are fewer than TP ranks (MiniCPM5-MoE's key and value heads), and sums their "
+        "replicas' gradients; torch's ColwiseParallel splits a Linear's rows evenly over every TP rank",
+        _ONLY_THE_MLP),
+    "unit_rowwise": (
+        "it is the output projection's half of unit_colwise: its input split by whole heads over that "
+        "style's own mesh, its gradient scaled by the replicas; torch's RowwiseParallel splits over every TP rank",
+        _ONLY_THE_MLP),
     "sequence_parallel": (
         "it splits the hidden states by sequence between blocks, but transformers builds the rotary "
         "tables and the causal mask from the sequence length it is handed, so meshtrain keeps a "
