@@ -114,9 +114,9 @@ def megatron() -> list[dict]:
         dp = gpus // (tp * pp)
         local = batch // dp
         pipe = dict(pp=pp, pp_schedule="1F1B", pp_microbatches=local, stages_per_rank=1) if pp > 1 else dict(pp=1)
-        # Micro-batch size is not stated. Megatron reduces gradients once per step (after
-        # all micro-batches), which the planner's pp = 1 layouts do only when the local
-        # batch is one micro-batch; under a pipeline, micro-batches of one sequence.
+        # Micro-batch size is not stated: the local batch as one micro-batch, which reduces
+        # once a step as Megatron does (gradient_sync = "step" would at any micro-batch size);
+        # under a pipeline, micro-batches of one sequence.
         lay = ParallelDims(tp=tp, dp_replicate=1, dp_shard=dp, world_size=job.world, strategy="SHARD_GRAD_OP",
                            ac="none", micro_batch=1 if pp > 1 else local, **pipe)
         flops = megatron_flops_per_token(m, 4096)
@@ -291,8 +291,8 @@ LLAMA3_TOKENS_PER_BATCH = 16 * 2**20
 # settings. Published per run: training step time, tokens/s of the job (= sequence x global
 # batch / step time) and an MFU whose FLOPs count differs between releases: the tokens/s are
 # used, divided by the GPUs. NeMo's runs use the distributed optimizer (ZeRO-1: planned as
-# SHARD_GRAD_OP, whose gathers and reductions under a pipeline are once a step, as its are; at
-# pp = 1 meshtrain reduces every micro-batch, Megatron once a step), Megatron's vocabulary-
+# SHARD_GRAD_OP with [parallelism] gradient_sync = "step", one gather and one reduction a step,
+# as its), Megatron's vocabulary-
 # parallel cross-entropy (loss_parallel), sequence parallelism with TP, fused kernels (planned
 # as compiled). Not expressed, so estimated as meshtrain would run the layout: TP communication
 # overlapped with the GEMMs (`ub_tp_comm_overlap`, on for Llama 3.1 70B / 405B, Nemotron-4 15B
@@ -476,8 +476,9 @@ def dgxc_rows() -> list[dict]:
             # core-attention recompute: one more attention forward), planned without.
             pipe = (dict(pp=pp, pp_schedule="Interleaved1F1B" if vp > 1 else "1F1B", pp_microbatches=local // mb,
                          stages_per_rank=vp) if pp > 1 else dict(pp=1))
+            # Megatron reduces once a step, after the last micro-batch: gradient_sync = "step".
             lay = ParallelDims(tp=tp, cp=cp, dp_replicate=1, dp_shard=dp, world_size=gpus, strategy="SHARD_GRAD_OP",
-                               ac="none", micro_batch=mb, **pipe)
+                               ac="none", micro_batch=mb, gradient_sync="step", **pipe)
             layout = (f"TP {tp} x PP {pp}" + (f" (interleaved, {vp} per rank)" if pp > 1 and vp > 1 else "")
                       + f" x CP {cp} x DP {dp}, {mb} x {local // mb} x {seq:,}")
         shape = f"{layers} layers" if recipe.startswith("llama3.1 405b") and layers != 126 else ""

@@ -21,7 +21,7 @@ import importlib
 # submodule -> the names it gives the package
 _EXPORTS = {
     "activation_checkpoint": ("apply_ac", "apply_compile"),
-    "fsdp": ("apply_fsdp", "fsdp_mesh", "mixed_precision_policy", "resolve_strategy"),
+    "fsdp": ("apply_fsdp", "fsdp_mesh", "hold_gradients", "mixed_precision_policy", "resolve_strategy"),
     "grad_clip": ("clip_grad_norm_",),
     "init": ("init_param_", "materialize"),
     "layout": ("ParallelDims",),
@@ -31,7 +31,7 @@ _EXPORTS = {
     "pipeline": ("build_schedule", "check_pipeline", "split_into_stages", "split_layers", "stage_ids"),
     "tensor_parallel": ("apply_tp", "loss_parallel_context"),
     "tied": ("TiedWeights", "tie_across_stages"),
-    "vocabulary": ("AC_MODES", "DIM_NAMES", "SCHEDULES", "STRATEGIES"),
+    "vocabulary": ("AC_MODES", "DIM_NAMES", "GRADIENT_SYNC", "SCHEDULES", "STRATEGIES"),
     "wrap": ("modules_to_wrap",),
 }
 _SUBMODULE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -21,7 +21,7 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from meshtrain.parallel.mesh import LayoutError, submesh
 from meshtrain.parallel.vocabulary import STRATEGIES
@@ -155,6 +155,23 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, units: list, *, strategy: 
             unit.set_unshard_in_backward(False)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def hold_gradients(model: nn.Module, hold: bool) -> None:
+    """For gradient accumulation that reduces once a step ([parallelism] gradient_sync =
+    "step"): with ``hold``, the next backward neither reduces nor reshards -- each unit keeps
+    its gathered weights and adds its gradient into an unsharded fp32 sum (FSDP2 accumulates
+    in the reduce dtype) -- as torch's PipelineStage runs every backward of a step but the
+    last; without, the next backward reduce-scatters the sums and reshards, as usual. The
+    saving: one reduction a step instead of one a micro-batch, and, for units that keep
+    their weights from forward to backward (SHARD_GRAD_OP, NO_SHARD), one gather. The cost:
+    2 + 4 bytes per parameter this rank holds unsharded, between micro-batches. A model
+    without FSDP is left alone."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_is_last_backward(not hold)
+            module.set_reshard_after_backward(not hold, recurse=False)
+            module.set_requires_gradient_sync(not hold, recurse=False)
 
 
 def _only_embeddings(unit, model: nn.Module) -> bool:

@@ -38,6 +38,9 @@ class ParallelDims:
     strategy: str = "FULL_SHARD"   # the FSDP sharding strategy, resolved ("auto" never stays)
     ac: str = "none"               # activation checkpointing mode
     micro_batch: int = 1           # sequences per forward; under a pipeline, per micro-batch
+    # When accumulated gradients are reduced, "microbatch" or "step" (parallel/vocabulary.py
+    # GRADIENT_SYNC); a pipeline always reduces once a step (`reduces_once`).
+    gradient_sync: str = "microbatch"
     pp_schedule: str = "1F1B"      # the pipeline's; 1F1B without one
     pp_microbatches: int = 1       # micro-batches per pass through the pipeline; 1 without one
     stages_per_rank: int = 1       # virtual pipeline stages per pp rank
@@ -98,6 +101,13 @@ class ParallelDims:
     @property
     def pipelined(self) -> bool:
         return self.pp > 1
+
+    @property
+    def reduces_once(self) -> bool:
+        """Gradients reduced once a step, after the last micro-batch, with each unit's
+        gathered weights and unsharded fp32 gradient sum held until then: always under a
+        pipeline (torch's PipelineStage), by choice without one (gradient_sync = "step")."""
+        return self.pp > 1 or self.gradient_sync == "step"
 
     @property
     def placement(self) -> str:

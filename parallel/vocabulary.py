@@ -20,6 +20,13 @@ STRATEGIES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD"
 # (parallel/activation_checkpoint.py).
 AC_MODES = ("none", "full", "selective", "op")
 
+# When gradient accumulation reduces: after every micro-batch's backward (FSDP2's default:
+# the sharded gradients accumulate, nothing unsharded is held between micro-batches), or
+# once a step, after the last (DDP's and FSDP1's no_sync, Megatron's and DeepSpeed ZeRO-1's
+# way, and what torch's PipelineStage always does: each unit's fp32 gradient sum and its
+# gathered weights held from one micro-batch to the next; parallel/fsdp.py hold_gradients).
+GRADIENT_SYNC = ("microbatch", "step")
+
 
 # torch.distributed.pipelining's schedules: name -> (stages per rank: "one", "any" or the
 # exact number; placement: "loop" puts stage s on rank s % pp, "v" goes down the ranks and

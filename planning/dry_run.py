@@ -121,7 +121,12 @@ def _trace(cfg, world_size: int, rank: int, gpus_per_node: int, *, fake: bool, g
             for m in modules:
                 m.to_empty(device="cpu")  # may replace parameters: the optimizer comes after
             optimizers, _ = recipe.build_optimizer(cfg, modules)
-            init_optimizer_state(modules, optimizers, accumulating=layout.grad_accum(cfg.training.global_batch_size) > 1)
+            # Sharded gradients exist before the traced micro-batch where earlier ones were
+            # reduced: each pass through a pipeline, or each micro-batch of one that reduces
+            # every micro-batch (without a pipeline, "step" reduces only at the traced last).
+            accum = layout.grad_accum(cfg.training.global_batch_size)
+            init_optimizer_state(modules, optimizers,
+                                 accumulating=accum > 1 and (layout.pp > 1 or not layout.reduces_once))
             tracker = memory_tracker(modules, optimizers)
             tracker.track_external(*optimizers.optimizers)
             comm = CountCollectives(names)

@@ -160,9 +160,10 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float
     Pipeline, any strategy: torch's PipelineStage turns off resharding after backward and
       gradient sync until the step's last backward, so the whole stage stays gathered (bf16)
       and its gradients accumulate unsharded in the fp32 reduce dtype until the one
-      reduce-scatter per step: 2 + 4 bytes per local param, plus one unit's bf16 gradient."""
+      reduce-scatter per step: 2 + 4 bytes per local param, plus one unit's bf16 gradient.
+      gradient_sync = "step" without a pipeline does the same (parallel/fsdp.py hold_gradients)."""
     local, unit = rank_local_params(m, share, lay.tp, lay.ep), largest_unit(m, share, lay.tp, lay.ep)
-    if lay.pp > 1:
+    if lay.reduces_once:
         return (BF16 + FP32) * local + BF16 * unit
     if keeps_gathered(lay):  # ZeRO-2 (and NO_SHARD): kept gathered from forward to backward
         return BF16 * local + (BF16 + FP32) * unit
@@ -242,11 +243,20 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
         kept_moe = share.moe_layers - checkpointed_moe_blocks(share, lay.ac)
         kept = b * (prof.embed + prof.kept(share.layers) + kept_moe * skew)
         working = b * (prof.block_working + (skew if share.moe_layers else 0.0))
+        # gradient_sync = "step": from the first micro-batch's backward on, every unit's
+        # gradient sum is held unsharded in fp32 (beside it, the bf16 gradient a unit's
+        # backward makes before adding it in: the largest unit's), and no unit reshards after
+        # its backward, so a held backward ends with the whole local model gathered
+        # (FULL_SHARD too).
+        once = lay.reduces_once and accumulating
+        if once:
+            held_grads = (FP32 * local + BF16 * max(head, block)) * grad
         moments = [  # (gradients, transient, activations)
             (held_grads, gathered(head), kept + b * (prof.head + prof.head_working)),
             (held_grads, gathered(block, block) + (BF16 + FP32) * block * grad, kept + working),
             (held_grads, gathered(head), kept + b * (prof.head + prof.forward_extra)),
-            (FP32 * sharded * grad, gathered(embed) + (BF16 + FP32) * embed * grad,
+            (FP32 * (local if once else sharded) * grad,
+             (BF16 * local if once else gathered(embed)) + (BF16 + FP32) * embed * grad,
              b * (prof.embed + prof.kept(1))),
             muon_step,
         ]

@@ -23,10 +23,11 @@ torch/optim/adamw.py), reads plus writes, at the GPU's measured copy bandwidth
   (4 + 4), divided on the way where a divide factor is set (the experts': 8 more). A
   gradient reduced every micro-batch (no pipeline) is added into the shard's (4 + 4 + 4)
   from the second on.
-- **a pipeline**: its stages reduce once, after the last micro-batch; until then FSDP keeps
-  an fp32 copy of each unsharded gradient (`to_accumulated_grad_if_needed`: read 2, write 4
-  on the first micro-batch; `accumulate_unsharded_grad_if_needed`: 2 + 4 + 4 on each other),
-  and the reduce's concatenation then reads fp32 (4 + 4).
+- **reducing once a step** (a pipeline's stages, or [parallelism] gradient_sync = "step"),
+  after the last micro-batch: until then FSDP keeps an fp32 copy of each unsharded gradient
+  (`to_accumulated_grad_if_needed`: read 2, write 4 on the first micro-batch;
+  `accumulate_unsharded_grad_if_needed`: 2 + 4 + 4 on each other), and the reduce's
+  concatenation then reads fp32 (4 + 4).
 - **clipping** (parallel/grad_clip.py, torch's foreach kernels): the norm reads every fp32
   gradient shard (4), every step (it is logged); with [training] max_norm > 0 the scale
   reads and writes it (8), clipped or not (torch multiplies by the clamped coefficient).
@@ -59,13 +60,14 @@ ADAMW_BYTES = 4 * 4 + 3 * 4  # read p, g, m, v; write p, m, v (fp32)
 
 
 def fsdp_copy_bytes(params: float, degree: int, rounds: tuple[int, int], *, trainable: float = 1.0,
-                    microbatches: int = 1, pipeline: bool = False, divided: bool = False) -> float:
+                    microbatches: int = 1, reduces_once: bool = False, divided: bool = False) -> float:
     """Bytes FSDP2's copies move on one GPU per step for units of ``params`` parameters (as
     this GPU holds them, after TP) sharded over ``degree`` ranks, gathered and reduced
     ``rounds`` = (all-gathers, reduce-scatters) times per step (planning/step_time.py
     fsdp_rounds), with ``microbatches`` forwards per step. Only the ``trainable`` fraction
-    has gradients ([lora]: the frozen base is gathered, never reduced). ``pipeline``: the
-    gradients accumulate unsharded and reduce once; ``divided``: the units divide their
+    has gradients ([lora]: the frozen base is gathered, never reduced). ``reduces_once``: the
+    gradients accumulate unsharded and reduce once (a pipeline, gradient_sync = "step");
+    ``divided``: the units divide their
     gradients by a factor of their own (the experts')."""
     n_ag, n_rs = rounds
     shard = params / degree
@@ -75,7 +77,7 @@ def fsdp_copy_bytes(params: float, degree: int, rounds: tuple[int, int], *, trai
     else:
         gather = GATHER_SHARD_BYTES * shard + GATHER_UNIT_BYTES * params
         reduce = 0
-    if pipeline:
+    if reduces_once:
         reduce += ACCUMULATED_REDUCE_BYTES
         grads = (FIRST_UPCAST_BYTES + UPCAST_ADD_BYTES * (microbatches - 1) + reduce * n_rs) * params
     else:

@@ -13,25 +13,30 @@ def describe(lay: ParallelDims) -> str:
     pipe = f"pp {lay.pp} {lay.pp_schedule} x {lay.pp_microbatches} micro-batches, " if lay.pp > 1 else ""
     cp = f"cp {lay.cp}, " if lay.cp > 1 else ""
     ep = f" (ep {lay.ep})" if lay.ep > 1 else ""
+    once = ", gradients reduced once a step" if lay.pp == 1 and lay.reduces_once else ""
     return (f"tp {lay.tp}, {cp}{pipe}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}{ep}, "
-            f"{lay.strategy}, AC {lay.ac}, micro-batch {lay.micro_batch}")
+            f"{lay.strategy}, AC {lay.ac}, micro-batch {lay.micro_batch}{once}")
 
 
 def format_table(estimates: list) -> str:
     cp = any(e.layout.cp > 1 for e in estimates)  # a cp column only where cp was tried
     ep = any(e.layout.ep > 1 for e in estimates)  # an ep column only for a mixture of experts
+    # "sync": when accumulated gradients are reduced (parallel/vocabulary.py GRADIENT_SYNC);
+    # a column only where a layout reducing once a step without a pipeline is listed.
+    sync = any(e.layout.pp == 1 and e.layout.reduces_once for e in estimates)
     head = ("#", "tp", *(("cp",) if cp else ()), "pp", "dp_rep", "dp_shard", *(("ep",) if ep else ()), "strategy",
-            "AC", "mbs", "schedule", "pp_mb", "GiB/GPU", "step s", "tok/s/GPU", "MFU")
+            "AC", "mbs", *(("sync",) if sync else ()), "schedule", "pp_mb", "GiB/GPU", "step s", "tok/s/GPU", "MFU")
     rows = [head]
     for i, e in enumerate(estimates, 1):
         lay = e.layout
         rows.append((str(i), str(lay.tp), *((str(lay.cp),) if cp else ()), str(lay.pp), str(lay.dp_replicate),
                      str(lay.dp_shard), *((str(lay.ep),) if ep else ()), lay.strategy, lay.ac, str(lay.micro_batch),
+                     *(("step" if lay.reduces_once else "microbatch",) if sync else ()),
                      lay.pp_schedule if lay.pp > 1 else "-", str(lay.pp_microbatches) if lay.pp > 1 else "-",
                      f"{e.memory.total / GIB:.1f}", f"{e.step_time:.2f}",
                      f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    left = {head.index(name) for name in ("strategy", "AC", "schedule")}  # text columns
+    left = {head.index(name) for name in ("strategy", "AC", "sync", "schedule") if name in head}  # text columns
     return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in
                                enumerate(zip(r, widths))).rstrip() for r in rows)
 
@@ -107,6 +112,8 @@ def to_toml(e, job: Job, name: str, command: str) -> str:
         f"tp = {lay.tp}", f"pp = {lay.pp}", *([f"cp = {lay.cp}"] if lay.cp > 1 else []),
         *([f"ep = {lay.ep}"] if lay.ep > 1 else []), *pipe,
         f'sharding_strategy = "{lay.strategy}"',
+        *(['gradient_sync = "step"      # reduced once, after the last accumulation micro-batch']
+          if lay.pp == 1 and lay.reduces_once else []),
         "sequence_parallel = true", "loss_parallel = true", "",
         "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", "",
         *(["[optimizer]", 'name = "Muon"', f"ns_steps = {job.ns_steps}", ""] if job.muon_shapes else [])])

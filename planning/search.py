@@ -4,7 +4,8 @@ fastest first.
 Enumerates tp inside a node x pp x dp_replicate x dp_shard, context parallelism inside the
 node too for sequences of LONG_SEQ tokens or more, expert parallelism (ep out of dp_shard)
 for a mixture of experts, micro-batch size, pipeline schedule and
-micro-batches, activation checkpointing and FSDP strategy; checks each with the functions
+micro-batches, activation checkpointing, FSDP strategy and, where a layout without a pipeline
+accumulates gradients, whether it reduces them every micro-batch or once a step; checks each with the functions
 train.py checks its config with; estimates the rest (planning/estimate.py).
 """
 
@@ -17,7 +18,7 @@ from meshtrain.parallel.context_parallel import check_cp_fits
 from meshtrain.parallel.fsdp import check_strategy
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.mesh import LayoutError, check_tp_fits
-from meshtrain.parallel.vocabulary import AC_MODES, STRATEGIES, default_stages_per_rank
+from meshtrain.parallel.vocabulary import AC_MODES, GRADIENT_SYNC, STRATEGIES, default_stages_per_rank
 from meshtrain.physics.gpus import usable_bytes
 from meshtrain.planning.activations import trace_probes
 from meshtrain.planning.estimate import Estimate, estimate
@@ -62,6 +63,15 @@ def expert_degrees(job: Job, dp_shard: int, dp_replicate: int, cp: int, strategy
     return [ep for ep in divisors(dp_shard) if all(n % ep == 0 for n in divisible.values())]
 
 
+def syncs(pp: int, accumulation: int) -> tuple[str, ...]:
+    """When gradients are reduced (parallel/vocabulary.py GRADIENT_SYNC): a pipeline always
+    once a step; without one, after every micro-batch and, where there is more than one,
+    once a step too (less traffic, 6 bytes per local parameter more memory)."""
+    if pp > 1:
+        return ("step",)
+    return GRADIENT_SYNC if accumulation > 1 else ("microbatch",)
+
+
 def candidates(job: Job):
     """Every layout to try (unchecked): tp (x cp, for long sequences) divides a node, pp and
     dp the rest."""
@@ -86,11 +96,12 @@ def candidates(job: Job):
                             continue  # 1F1B runs it: the same bubble, fewer micro-batches in flight
                         for strategy in strategies:
                             for ep in expert_degrees(job, dp // dp_replicate, dp_replicate, cp, strategy):
-                                for ac in AC_MODES:
+                                for ac, sync in itertools.product(AC_MODES, syncs(pp, local // micro_batch)):
                                     yield ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate,
                                                        dp_shard=dp // dp_replicate, cp=cp, ep=ep,
                                                        world_size=job.world, strategy=strategy, ac=ac,
-                                                       micro_batch=micro_batch, pp_schedule=schedule,
+                                                       micro_batch=micro_batch, gradient_sync=sync,
+                                                       pp_schedule=schedule,
                                                        pp_microbatches=local // micro_batch if pp > 1 else 1,
                                                        stages_per_rank=v)
 

@@ -28,14 +28,16 @@ FLOAT8 = 1  # bytes per float8 element
 
 def fsdp_rounds(lay: ParallelDims, job: Job) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) of each FSDP unit per step.
-    No pipeline: every micro-batch gathers in forward (and again in backward with
-    FULL_SHARD) and reduce-scatters its gradients (train_step keeps gradient sync on).
-    Pipeline: SHARD_GRAD_OP gathers once per step; FULL_SHARD re-gathers after every
-    forward, m + 1 times (the 3 + 2n measured in docs/pipeline.md for 2 resharding units
-    and 1 that is not); one reduce-scatter per step either way."""
+    Reducing every micro-batch (no pipeline, gradient_sync = "microbatch"): every
+    micro-batch gathers in forward (and again in backward with FULL_SHARD) and
+    reduce-scatters its gradients.
+    Reducing once a step (a pipeline, or gradient_sync = "step": no unit reshards after a
+    backward until the last): SHARD_GRAD_OP gathers once per step; FULL_SHARD re-gathers
+    after every forward, m + 1 times (the 3 + 2n measured in docs/pipeline.md for 2
+    resharding units and 1 that is not); one reduce-scatter per step either way."""
     zero2 = keeps_gathered(lay)  # NO_SHARD too: gathered (cast) once, never resharded
     n = forwards_per_step(job, lay)
-    if lay.pp > 1:
+    if lay.reduces_once:
         return (1 if zero2 else n + 1), 1
     return (n if zero2 else 2 * n), n
 
@@ -218,6 +220,15 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # fully exposed. What overlaps compute is exposed only where it outlasts it.
     if lay.pp > 1:
         edges, overlapped = first_gather + round_rs, max(0.0, gathers - first_gather)
+    elif lay.reduces_once:
+        # gradient_sync = "step": the one reduction runs unit by unit during the last
+        # micro-batch's backward (a third of its compute forward, two thirds backward), which
+        # hides it up to that backward's length; the first unit's gather waits once a step
+        # where units stay gathered (SHARD_GRAD_OP, NO_SHARD), once a micro-batch otherwise.
+        waits = 1 if keeps_gathered(lay) else n_mb
+        tail = max(0.0, round_rs - reduce(unit) - 2 * compute / (3 * n_mb))
+        edges = waits * first_gather + reduce(unit) + tail
+        overlapped = max(0.0, fsdp_time - edges)
     else:
         edges = n_mb * (first_gather + reduce(unit))
         overlapped = max(0.0, fsdp_time - edges)
@@ -234,7 +245,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # AdamW not Muon's matrices (job.muon: their fraction of the trained ones).
     # The routed experts, under ep, are units of their own over de ranks, dividing their
     # gradients by a factor of their own (parallel/fsdp.py).
-    passes = dict(trainable=job.trainable, microbatches=n_mb, pipeline=lay.pp > 1)
+    passes = dict(trainable=job.trainable, microbatches=n_mb, reduces_once=lay.reduces_once)
     copies = (param_passes.fsdp_copy_bytes(local, ds, (copy_ag, n_rs), **passes)
               + (param_passes.fsdp_copy_bytes(routed, de, (n_ag, n_rs), divided=True, **passes) if routed else 0.0)
               ) / gpu.hbm_bandwidth
@@ -325,10 +336,11 @@ def fsdp_unit_count(m: ModelShape, share) -> int:
 
 
 def gathered_once(m: ModelShape, lay: ParallelDims, tp: int) -> float:
-    """Parameters of one GPU that FULL_SHARD without a pipeline gathers once a micro-batch
-    (the embedding and the head) where it gathers a block twice; 0 where every unit is
-    gathered alike (``fsdp_rounds``): pipelines, SHARD_GRAD_OP, NO_SHARD."""
-    if lay.pp > 1 or keeps_gathered(lay):
+    """Parameters of one GPU that FULL_SHARD reducing every micro-batch gathers once a
+    micro-batch (the embedding and the head) where it gathers a block twice; 0 where every
+    unit is gathered alike (``fsdp_rounds``): reducing once a step (pipelines, gradient_sync =
+    "step"), SHARD_GRAD_OP, NO_SHARD."""
+    if lay.reduces_once or keeps_gathered(lay):
         return 0.0
     return m.embedding / tp + (0 if m.tied else m.head_split / tp) + m.head_replicated
 

@@ -18,7 +18,7 @@ import torch.distributed.pipelining  # noqa: F401  its import makes a tensor (a 
 from torch.distributed.fsdp import FSDPModule  # imported inside a traced step, the tracker counted it
 from torch.distributed.tensor import DTensor
 
-from meshtrain.parallel import clip_grad_norm_, loss_parallel_context, submesh
+from meshtrain.parallel import clip_grad_norm_, hold_gradients, loss_parallel_context, submesh
 from meshtrain.parallel.float8 import precompute_float8_scales
 from meshtrain.parallel.grad_clip import _whole_group
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
@@ -107,14 +107,28 @@ def trace_step(cfg, layout, mesh, parts, optimizers, model_cfg, comm, tracker, a
         precompute_float8_scales([part for _, part in parts])
 
     if layout.stage_layers is None:
-        comm.scale = lambda dim, kind: accum
+        model = parts[0][1]
+        # Reducing every micro-batch, each is the same work from the same state: one traced,
+        # its collectives counted accum times. Reducing once a step (gradient_sync = "step"),
+        # the first gathers what the others find gathered and each holds more: the first, one
+        # standing for the middle ones, and the last, which reduces (hold_gradients).
+        held = layout.reduces_once and accum > 1
+        runs = ([("first", 1, True)] + ([("middle", accum - 2, True)] if accum > 2 else []) + [("last", 1, False)]
+                if held else [("", accum, False)])
         tokens = torch.randint(0, model_cfg.vocab_size, (local, rank_seq(cfg, layout)))
-        with loss_parallel_context(loss_parallel):
-            comm.phase = "forward"
-            loss = step_loss(cfg)(logits_of(parts[0][1](tokens, **packed_inputs(cfg, local))), tokens)
-            comm.phase = "backward"
-            loss.backward()
-        traced = (f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
+        for which, times, hold in runs:
+            comm.scale = lambda dim, kind, times=times: times
+            with loss_parallel_context(loss_parallel):
+                comm.phase = f"forward{' of the ' + which + ' micro-batch' if which else ''}"
+                loss = step_loss(cfg)(logits_of(model(tokens, **packed_inputs(cfg, local))), tokens)
+                comm.phase = f"backward{' of the ' + which + ' micro-batch' if which else ''}"
+                if held:
+                    hold_gradients(model, hold)
+                loss.backward()
+            del loss
+        traced = (f"the first, {'one of the middle and ' if accum > 2 else ''}the last of {accum} accumulation "
+                  f"micro-batches of {local} sequences, reduced once after the last" if held else
+                  f"the last of {accum} accumulation micro-batches of {local} sequences (the gradients of "
                   f"the others held)" if accum > 1 else f"one micro-batch of {local} sequences")
     else:
         traced_optimizer = any(not opt.defaults.get("fused") for opt in optimizers.optimizers)

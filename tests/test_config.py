@@ -126,6 +126,14 @@ def test_a_flavor_of_the_other_family_is_refused_naming_both_keys():
     assert load_config(None, ["--model.name=gpt2", "--model.flavor=124M"]).model.flavor == "124M"
 
 
+def test_gradient_sync_every_microbatch_is_refused_under_a_pipeline_naming_the_key():
+    msg = error(load_config, "debug_3d", ["--parallelism.gradient_sync=microbatch"])
+    assert "--parallelism.gradient_sync=microbatch" in msg and "pp = 2" in msg and '"step" or "auto"' in msg
+    assert load_config("debug_3d", ["--parallelism.gradient_sync=step"]).parallelism.gradient_sync == "step"
+    msg = error(load_config, "debug_2d", ["--parallelism.gradient_sync=steps"])
+    assert "Did you mean \"step\"?" in msg and '"auto", "microbatch", "step"' in msg
+
+
 def test_pipeline_schedules_match_parallel_and_the_installed_torch():
     from torch.distributed.pipelining.schedules import get_schedule_class
 

@@ -139,6 +139,43 @@ def test_without_sequence_or_loss_parallelism_the_estimate_is_the_traced_memory_
     assert ("all-gather" in sent) == (sequence_parallel or not loss_parallel)
 
 
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_reducing_once_a_step_is_traced_and_estimated_as_it_runs(strategy):
+    """[parallelism] gradient_sync = "step", four accumulation micro-batches: the dry run
+    traces the first, a middle one and the last (parallel/fsdp.py hold_gradients), so it
+    reduce-scatters each unit once a step, not four times, and under SHARD_GRAD_OP gathers
+    each once (one more: FSDP2 gathers one unit again in the last backward), and its peak
+    holds every unit's unsharded fp32 gradient sum. The planner's memory is within 4% of that
+    peak and its reduce-scatter bytes are the traced ones. Fails when the dry run traces one
+    micro-batch for all (the counts), or the estimate ignores gradient_sync (-13%)."""
+    from meshtrain.physics.gpus import get_gpu
+    from meshtrain.planning.estimate import estimate_config
+
+    def traced(sync):
+        cfg = load_config("llama3_8b", ["--model.flavor=debug", "--model.vocab_size=8192", "--training.seq_len=128",
+                                        "--parallelism.tp=2", "--parallelism.dp_shard=2",
+                                        "--training.global_batch_size=16", "--training.local_batch_size=2",
+                                        f"--parallelism.sharding_strategy={strategy}",
+                                        f"--parallelism.gradient_sync={sync}"])
+        return cfg, dry_run(cfg, 4, quiet=True)
+
+    (_, every), (cfg, once) = traced("microbatch"), traced("step")
+    count = lambda report, kind: report["comm"][("dp_shard", kind)][0]
+    assert count(every, "reduce-scatter") == 4 * count(once, "reduce-scatter") > 0
+    if strategy == "SHARD_GRAD_OP":
+        assert count(every, "all-gather") == 4 * (count(once, "all-gather") - 1)
+    else:  # FULL_SHARD still re-gathers each block for every backward
+        assert count(once, "all-gather") < count(every, "all-gather")
+    assert once["memory"]["total"] > every["memory"]["total"]
+    e = estimate_config(cfg, 4, 8, get_gpu("h100-80gb"))
+    assert e.layout.gradient_sync == "step"
+    assert once["memory"]["total"] == pytest.approx(e.memory.total, rel=0.04)
+    if strategy == "SHARD_GRAD_OP":  # one round of gathers (each micro-batch's, reducing every time) and of reductions
+        one_round = every["comm"][("dp_shard", "all-gather")][2] / 4
+        assert e.comm_bytes["dp_shard"] == pytest.approx(one_round + once["comm"][("dp_shard", "reduce-scatter")][2],
+                                                         rel=0.01)
+
+
 @pytest.mark.slow
 def test_a_hugging_face_model_under_tp_is_estimated_without_sequence_parallelism():
     """Hugging Face TP plans never apply sequence parallelism, and such a model's activations

@@ -103,7 +103,31 @@ def single_process_init(overrides: dict) -> dict:
 
 @pytest.mark.parametrize("layout", list(parity.LAYOUTS))
 def test_layout_matches_plain_pytorch(runs, layout):
-    assert_matches(runs[layout], parity.LAYOUTS[layout][2], 1, layout)
+    assert_matches(runs[layout], parity.LAYOUTS[layout][2], parity.LAYOUTS[layout][0].get("accum", 1), layout)
+
+
+def _fsdp_collectives(run: dict, kind: str) -> list[float]:
+    """Each rank's count of ``kind`` over the data-parallel dimensions in its first step."""
+    return [sum(c for (dim, k), (c, _, _) in rows.items() if k == kind and dim.startswith("dp"))
+            for rows in run["collectives"]]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp4", "shard_grad_op4"])
+def test_gradient_sync_step_reduces_once_a_step(runs, strategy):
+    """The same numbers either way (test_layout_matches_plain_pytorch): what "step" changes is
+    the traffic. Over two micro-batches it reduce-scatters each unit once, not twice; and
+    SHARD_GRAD_OP, whose units keep their weights from forward to backward, now keeps them
+    into the next micro-batch too: one all-gather of each unit a step, not two, and one more
+    in the step's last backward (FSDP2 gathers a unit again there; the dry run sees the
+    head's). Fails when hold_gradients does nothing: the numbers still match."""
+    every, once = runs[f"{strategy}_accum2"], runs[f"{strategy}_accum2_sync_step"]
+    reduced, reduced_once = _fsdp_collectives(every, "reduce-scatter"), _fsdp_collectives(once, "reduce-scatter")
+    assert min(reduced_once) > 0 and [2 * n for n in reduced_once] == reduced
+    gathered, gathered_once = _fsdp_collectives(every, "all-gather"), _fsdp_collectives(once, "all-gather")
+    if strategy == "shard_grad_op4":
+        assert [n // 2 + 1 for n in gathered] == gathered_once
+    else:  # FULL_SHARD: the second forward finds its units still gathered from the first backward
+        assert all(o < n for o, n in zip(gathered_once, gathered))
 
 
 @pytest.mark.parametrize("layout", list(parity.PP_LAYOUTS))

@@ -279,6 +279,35 @@ def test_another_family_is_planned_and_written_as_that_family(tmp_path):
     recipe.plan_layout(cfg, recipe.build_model(cfg, tokenizer_vocab=258), world_size=128)
 
 
+def test_the_search_tries_reducing_once_a_step_where_a_layout_accumulates_and_writes_it(tmp_path):
+    """Without a pipeline, a layout of several micro-batches a step is tried reducing every
+    micro-batch and once a step ([parallelism] gradient_sync); one micro-batch a step only
+    the first (there is nothing to hold), a pipeline only the second (torch's schedule). The
+    written config reads back as train.py resolves it, and reducing once estimates more
+    memory (each unit's unsharded fp32 gradient sum) and less FSDP traffic."""
+    from meshtrain.planning.search import candidates
+
+    job = Job(resolve_model("8B"), H100, nodes=1, gpus_per_node=8, seq_len=4096, global_batch=64)
+    layouts = list(candidates(job))
+    accumulating = lambda lay: lay.grad_accum(job.global_batch) > 1
+    assert {lay.gradient_sync for lay in layouts if lay.pp == 1 and accumulating(lay)} == {"microbatch", "step"}
+    assert {lay.gradient_sync for lay in layouts if lay.pp == 1 and not accumulating(lay)} == {"microbatch"}
+    assert all(lay.reduces_once for lay in layouts if lay.pp > 1)
+    lay = ParallelDims(world_size=8, dp_shard=8, strategy="SHARD_GRAD_OP", ac="full", micro_batch=2,
+                       gradient_sync="step")
+    once, every = estimate(job, lay), estimate(job, dataclasses.replace(lay, gradient_sync="microbatch"))
+    assert once.memory.total > every.memory.total and once.comm_bytes["dp_shard"] < every.comm_bytes["dp_shard"] / 2
+    path = tmp_path / "once.toml"
+    path.write_text(to_toml(once, job, path.stem, "meshtrain plan ..."))
+    cfg = load_config(path, ["--job.device=cpu"])
+    assert cfg.parallelism.gradient_sync == "step"
+    assert recipe.plan_layout(cfg, recipe.build_model(cfg, tokenizer_vocab=258), world_size=8) == lay
+    path.write_text(to_toml(every, job, path.stem, "meshtrain plan ..."))
+    resolved = recipe.plan_layout(load_config(path, ["--job.device=cpu"]), recipe.build_model(cfg, tokenizer_vocab=258),
+                                  world_size=8)
+    assert resolved.gradient_sync == "microbatch"
+
+
 def test_a_sequence_longer_than_learned_positions_is_refused_as_train_py_would(capsys):
     assert run(["--model", "gpt2:175B", "--nodes", "16", "--gpu", "h100", "--seq-len", "8192",
                 "--global-batch", "256"]) == 2

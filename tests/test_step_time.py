@@ -153,8 +153,8 @@ def test_a_pipeline_keeps_an_fp32_copy_of_each_gradient_across_its_micro_batches
     from meshtrain.planning import param_passes as pp
 
     params, rounds = 1e9, (1, 1)
-    one = pp.fsdp_copy_bytes(params, 8, rounds, microbatches=4, pipeline=True)
-    more = pp.fsdp_copy_bytes(params, 8, rounds, microbatches=5, pipeline=True)
+    one = pp.fsdp_copy_bytes(params, 8, rounds, microbatches=4, reduces_once=True)
+    more = pp.fsdp_copy_bytes(params, 8, rounds, microbatches=5, reduces_once=True)
     assert more - one == pytest.approx(10 * params)
     flat = lambda n: pp.fsdp_copy_bytes(params, 8, (n, n))
     gather = pp.fsdp_copy_bytes(params, 8, (1, 0))

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from meshtrain.models import registry
-from meshtrain.parallel.vocabulary import AC_MODES, SCHEDULES, STRATEGIES
+from meshtrain.parallel.vocabulary import AC_MODES, GRADIENT_SYNC, SCHEDULES, STRATEGIES
 
 DTYPES = ("float32", "bfloat16")
 PP_SCHEDULES = tuple(SCHEDULES)  # parallel's own list, read without importing torch
@@ -224,6 +224,12 @@ class ParallelismSection:
     sharding_strategy: str = opt("auto", "what FSDP shards and when it reshards; auto: FULL_SHARD, "
                                  "SHARD_GRAD_OP under a pipeline, HYBRID_* with dp_replicate > 1",
                                  choices=("auto", *STRATEGIES))
+    gradient_sync: str = opt("auto", "when gradient accumulation reduces: microbatch (after every micro-batch's "
+                             "backward; FSDP2's default, least memory) or step (once, after the last: DDP's no_sync, "
+                             "Megatron's and ZeRO-1's; each FSDP unit's weights stay gathered and its unsharded fp32 "
+                             "gradient sum is held between micro-batches, 6 bytes per parameter this rank holds); "
+                             "auto: step under a pipeline, which always reduces once, else microbatch",
+                             choices=("auto", *GRADIENT_SYNC))
     sequence_parallel: bool = opt(True, "shard norms/residuals over the sequence inside TP")
     loss_parallel: bool = opt(True, "cross-entropy on vocab-sharded logits inside TP")
     cpu_offload: bool = opt(False, "keep FSDP parameter shards and optimizer state on CPU")

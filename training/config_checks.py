@@ -76,6 +76,12 @@ def validate(cfg: JobConfig, sources: dict[tuple[str, str], str] | None = None) 
         where = where_set("profiling", "start_step", p.start_step, sources.get(("profiling", "start_step")))
         raise ConfigError(f"{where} is after the last step ([training] steps = {t.steps}): nothing would be "
                           f"profiled. Use a start_step from 1 to {t.steps}")
+    par = cfg.parallelism
+    if par.pp > 1 and par.gradient_sync == "microbatch":
+        where = where_set("parallelism", "gradient_sync", par.gradient_sync, sources.get(("parallelism", "gradient_sync")))
+        raise ConfigError(f"{where} with [parallelism] pp = {par.pp}: a pipeline schedule reduces each stage's "
+                          'gradients once a step, after its last micro-batch (torch\'s PipelineStage); use "step" '
+                          'or "auto", or pp = 1')
     _check_export_hf(cfg, sources)
     _check_fault_tolerance(cfg, sources)
     lo = cfg.lora

@@ -18,6 +18,9 @@ def announce(n_params: int, layout, grad_accum: int, mesh, start_step: int, run_
     batch = f"{local} sequences per data-parallel rank per step"
     if grad_accum > 1:
         batch += f", as {grad_accum} accumulated forward/backward passes of {layout.local_batch}"
+        if not layout.pipelined:
+            batch += (", gradients reduced once, after the last" if layout.reduces_once else
+                      ", gradients reduced after each")
     if layout.pipelined:
         batch += (f" | pipeline {layout.pp_schedule}: {len(layout.stage_layers)} stages of "
                   f"{'/'.join(str(len(s)) for s in layout.stage_layers)} layers, each pass cut into "

@@ -247,7 +247,9 @@ def plan_layout(cfg: JobConfig, model: nn.Module, world_size: int | None = None,
     if this_machine:
         _check_inputs(cfg)
         check_speed_options(cfg, dims)
-    each_step = dict(strategy=strategy, ac=cfg.activation_checkpoint.mode)
+    # A pipeline always reduces once a step; "auto" leaves pp = 1 reducing every micro-batch.
+    sync = "step" if dims.pp > 1 or p.gradient_sync == "step" else "microbatch"
+    each_step = dict(strategy=strategy, ac=cfg.activation_checkpoint.mode, gradient_sync=sync)
     if dims.pp == 1:
         return dataclasses.replace(dims, micro_batch=local, **each_step)
     per_rank = p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)
@@ -459,7 +461,8 @@ def build_step(cfg: JobConfig, layout: ParallelDims, run: Parts, optimizer: Opti
 
         def step(micro_batches, number):
             return train_step(model, optimizer, micro_batches, max_norm=t.max_norm, loss_parallel=loss_parallel,
-                              dp_mesh=dp_mesh, cp_mesh=cp_mesh, device=device, step=number, skip_nonfinite=True)
+                              dp_mesh=dp_mesh, cp_mesh=cp_mesh, device=device, step=number, skip_nonfinite=True,
+                              gradient_sync=layout.gradient_sync)
         return with_float8_scales(cfg, run, step)
 
     # A weight tied across stages (GPT-2's embedding and output) has a copy at each end.

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from meshtrain.parallel import clip_grad_norm_, loss_parallel_context
+from meshtrain.parallel import clip_grad_norm_, hold_gradients, loss_parallel_context
 from meshtrain.parallel.context_parallel import SequenceSplit, split_sequence
 from meshtrain.training.chunked_loss import IGNORE_INDEX, chunked_cross_entropy  # IGNORE_INDEX: -100
 from meshtrain.training.faults import step_phase
@@ -128,7 +128,7 @@ def token_loss_scale(labels: list[torch.Tensor], dp_mesh: DeviceMesh | None = No
 def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
                loss_parallel: bool = False, dp_mesh: DeviceMesh | None = None,
                cp_mesh: DeviceMesh | None = None, device: torch.device | None = None, step: int = 0,
-               skip_nonfinite: bool = False) -> tuple[float, float]:
+               skip_nonfinite: bool = False, gradient_sync: str = "microbatch") -> tuple[float, float]:
     """Returns (loss averaged over the global batch, global gradient norm before clipping).
     A micro-batch is (inputs, labels) or (inputs, labels, positions) (packed documents:
     then ``model(inputs, positions=positions)``, see `model_kwargs`).
@@ -138,7 +138,9 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
     ``cp_mesh``: context parallelism; the micro-batches are whole sequences, each rank
     keeps its piece.
     ``skip_nonfinite``: when the gradient norm is inf/NaN, leave the weights alone (the
-    norm is the same on every rank, so every rank skips)."""
+    norm is the same on every rank, so every rank skips). ``gradient_sync``: "microbatch",
+    FSDP reduces after every micro-batch's backward; "step", only after the last, the others
+    holding their unsharded gradient sums (`hold_gradients`)."""
     device = device or _device_of(model)  # where the parameters (or their local shards) live
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
@@ -154,6 +156,8 @@ def train_step(model, optimizer, micro_batches, *, max_norm: float = 0.0,
             where.micro_batch = i  # for the hang report
             with loss_parallel_context(loss_parallel):
                 loss = summed_cross_entropy(model(inputs, **kwargs), labels) * scale
+                if gradient_sync == "step":  # reduce once, after the last micro-batch's backward
+                    hold_gradients(model, hold=i < len(batches) - 1)
                 loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     return _finish_step([model], optimizer, total, max_norm, dp_mesh, None, step, skip_nonfinite, cp_mesh=cp_mesh)

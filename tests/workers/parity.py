@@ -80,6 +80,15 @@ LAYOUTS = {
     # 128 tokens go in several chunks), and on vocab-sharded logits (loss_parallel: 125 words a rank).
     "chunked_loss_dp2_tp2": (dict(dp_shard=2, tp=2), "FULL_SHARD", dict(vocab_size=250, chunked_loss=250 * 11)),
     "chunked_loss_fsdp4": (dict(dp_shard=4), "FULL_SHARD", dict(chunked_loss=256 * 11)),
+    # Gradient accumulation, two micro-batches a step: reduced after each ([parallelism]
+    # gradient_sync = "microbatch"), or once after the last ("step": each unit's unsharded
+    # fp32 gradient sum and gathered weights held between them).
+    "fsdp4_accum2": (dict(dp_shard=4, accum=2), "FULL_SHARD", {}),
+    "fsdp4_accum2_sync_step": (dict(dp_shard=4, accum=2, sync="step"), "FULL_SHARD", {}),
+    "shard_grad_op4_accum2": (dict(dp_shard=4, accum=2), "SHARD_GRAD_OP", {}),
+    "shard_grad_op4_accum2_sync_step": (dict(dp_shard=4, accum=2, sync="step"), "SHARD_GRAD_OP", {}),
+    "hsdp2x2_accum2_sync_step": (dict(dp_replicate=2, dp_shard=2, accum=2, sync="step"), "HYBRID_SHARD", {}),
+    "no_shard2_tp2_accum2_sync_step": (dict(dp_shard=2, tp=2, accum=2, sync="step"), "NO_SHARD", {}),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -211,6 +220,7 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     dims = dict(dims)
     resume_ep = dims.pop("resume_ep", None)
     ac = dims.pop("ac", "none")
+    accum, sync = dims.pop("accum", 1), dims.pop("sync", "microbatch")
     model = build(overrides)
     dp_rank, dp_size, dp_mesh, tp_mesh = 0, 1, None, None
     if layout is not None:
@@ -229,9 +239,11 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
             model, optimizer, scheduler = resumed_under(resume_ep, model, optimizer, scheduler, mesh, strategy,
                                                         overrides, CHECKPOINTS / layout)
         local = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        with counting_collectives(mesh if dims.get("ep", 1) > 1 and step == 0 else None) as comm:
-            loss, norm = train_step(model, optimizer, [(local[:, :-1], local[:, 1:])], max_norm=MAX_NORM,
-                                    loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh)
+        counted = dims.get("ep", 1) > 1 or accum > 1
+        with counting_collectives(mesh if counted and step == 0 else None) as comm:
+            loss, norm = train_step(model, optimizer, [(c[:, :-1], c[:, 1:]) for c in local.chunk(accum)],
+                                    max_norm=MAX_NORM, loss_parallel=tp_mesh is not None, dp_mesh=dp_mesh,
+                                    gradient_sync=sync)
         if comm is not None:  # what each rank's first step sent, by mesh dimension and kind (the dry run's counter)
             result["collectives"] = [None] * dist.get_world_size()
             dist.all_gather_object(result["collectives"], dict(comm.stats.rows))
