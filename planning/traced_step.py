@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed.pipelining  # noqa: F401  its import makes a tensor (a loss reducer's 0.0):
-from torch.distributed.fsdp import FSDPModule  # imported inside a traced step, the tracker counted it
+# imported inside a traced step, the tracker counted it
 from torch.distributed.tensor import DTensor
 
 from meshtrain.parallel import clip_grad_norm_, hold_gradients, loss_parallel_context, submesh
@@ -235,10 +235,7 @@ def _trace_pipeline(cfg, layout, parts, model_cfg, comm, tracker, loss_parallel,
                                               if a.stage == n_stages - 1 else out), x
             return
         out, x = pending.pop((a.stage, a.microbatch))
-        if isinstance(part, FSDPModule):  # as PipelineStage.backward_one_chunk sets them
-            part.set_is_last_backward(False)
-            part.set_reshard_after_backward(False)
-            part.set_requires_gradient_sync(False)
+        hold_gradients(part, hold=True)  # as PipelineStage.backward_one_chunk sets them
         out.backward(None if out.ndim == 0 else torch.ones_like(out))
         # The input's gradient is sent back to the previous stage, then both are dropped.
         # Free the input's storage too: torch's module tracker keeps the tensor itself
