@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from meshtrain.planning.estimate import estimate
 from meshtrain.parallel import ParallelDims
 from meshtrain.planning.shape import Job, ModelShape
+from meshtrain.planning.step_time import ASYNC_TP_HIDES
 from meshtrain.physics.gpus import get_gpu, usable_bytes
 
 H100 = get_gpu("h100-80gb")
@@ -74,8 +75,8 @@ def torchtitan() -> list[dict]:
     500 W (2024-12, 2025-06), "lower TDP" 94/95 GB (405B); estimated as an H100 SXM 80GB."""
     rows = []
 
-    def add(run, model, nodes, seq, batch, compiled, measured, **lay):
-        job = Job(model, H100, nodes, 8, seq, batch, compiled=compiled)
+    def add(run, model, nodes, seq, batch, compiled, measured, tp_overlap=0.0, **lay):
+        job = Job(model, H100, nodes, 8, seq, batch, compiled=compiled, tp_overlap=tp_overlap)
         rows.append(dict(source="torchtitan", run=run, job=job, layout=ParallelDims(dp_replicate=1, pp=1, world_size=job.world, **lay),
                          measured=measured))
 
@@ -89,6 +90,11 @@ def torchtitan() -> list[dict]:
         tp=8, dp_shard=8, strategy="FULL_SHARD", ac="op", micro_batch=12)
     add("70B, FSDP 32 x TP 8, local batch 16, full AC, compiled", llama("70B"), 32, 8192, 512, True, 597.3,
         tp=8, dp_shard=32, strategy="FULL_SHARD", ac="full", micro_batch=16)
+    # The asyncTP benchmark's async rows: the two above with TP pipelined into the matmuls.
+    add("8B, FSDP 8 x TP 8, local batch 12, per-op SAC, compiled, async TP", llama("8B"), 8, 8192, 96, True,
+        4809.4, tp_overlap=ASYNC_TP_HIDES, tp=8, dp_shard=8, strategy="FULL_SHARD", ac="op", micro_batch=12)
+    add("70B, FSDP 32 x TP 8, local batch 16, full AC, compiled, async TP", llama("70B"), 32, 8192, 512, True,
+        652.4, tp_overlap=ASYNC_TP_HIDES, tp=8, dp_shard=32, strategy="FULL_SHARD", ac="full", micro_batch=16)
     add("405B, FSDP 16 x TP 8, local batch 2, full AC, compile (preset; not stated)", llama("405B"), 16, 8192, 32,
         True, 109,
         tp=8, dp_shard=16, strategy="FULL_SHARD", ac="full", micro_batch=2)
@@ -110,7 +116,9 @@ def megatron() -> list[dict]:
     rows = []
     for size, heads, dim, layers, tp, pp, gpus, batch, tflops in MEGATRON:
         m = megatron_gpt(dim, heads, layers)
-        job = Job(m, H100, gpus // 8, 8, 4096, batch, compiled=True)  # fused kernels (Transformer Engine)
+        # Fused kernels (Transformer Engine); TP overlapped with the GEMMs ("--tp-comm-overlap",
+        # the README's paragraph above the table).
+        job = Job(m, H100, gpus // 8, 8, 4096, batch, compiled=True, tp_overlap=1.0)
         dp = gpus // (tp * pp)
         local = batch // dp
         pipe = dict(pp=pp, pp_schedule="1F1B", pp_microbatches=local, stages_per_rank=1) if pp > 1 else dict(pp=1)
@@ -294,10 +302,11 @@ LLAMA3_TOKENS_PER_BATCH = 16 * 2**20
 # SHARD_GRAD_OP with [parallelism] gradient_sync = "step", one gather and one reduction a step,
 # as its), Megatron's vocabulary-
 # parallel cross-entropy (loss_parallel), sequence parallelism with TP, fused kernels (planned
-# as compiled). Not expressed, so estimated as meshtrain would run the layout: TP communication
-# overlapped with the GEMMs (`ub_tp_comm_overlap`, on for Llama 3.1 70B / 405B, Nemotron-4 15B
-# and GPT-3; off for Nemotron-4 340B), Megatron's ring-exchange CP (priced as meshtrain's
-# all-to-all CP), gradient-accumulation fusion. Columns: recipe, GPUs, layers, global batch,
+# as compiled), TP communication overlapped with the GEMMs (`ub_tp_comm_overlap`: true in the
+# Llama 3.1 70B / 405B and GPT-3 YAMLs, and set true for both Nemotron-4 sizes by
+# nemotron/configure.sh, over the 340B YAML's false; planned as [compile] async_tp). Not
+# expressed, so estimated as meshtrain would run the layout: Megatron's ring-exchange CP
+# (priced as meshtrain's all-to-all CP), gradient-accumulation fusion. Columns: recipe, GPUs, layers, global batch,
 # TP, PP, CP, virtual stages per rank, micro-batch, step time s, tok/s as published.
 DGXC_COMMIT = "0b71cfda5163540778e2a3d2db59858bf62f96f7"
 DGXC_README = {"llama3.1 8b": "llama3.1/README_8b.md", "llama3.1 70b": "llama3.1/README_70b.md",
@@ -460,7 +469,8 @@ def dgxc_rows() -> list[dict]:
         dp = gpus // (tp * pp * cp)
         local = batch // dp
         assert dp * tp * pp * cp == gpus and local * dp == batch and local % mb == 0
-        job = Job(dgxc_model(recipe, layers), H100, gpus // 8, 8, seq, batch, compiled=True)
+        job = Job(dgxc_model(recipe, layers), H100, gpus // 8, 8, seq, batch, compiled=True,
+                  tp_overlap=0.0 if recipe.startswith("maxtext") else 1.0)
         if recipe.startswith("maxtext"):
             # MaxText's FSDP over 8 GPUs a node and up to 16 nodes (ici_fsdp 8, dcn_fsdp the nodes,
             # 16 from 64 nodes on, the rest data parallel: HSDP); remat_policy save_qkv_proj keeps

@@ -24,7 +24,7 @@ from meshtrain.planning import hardware
 from meshtrain.planning.memory import Memory, memory_per_gpu
 from meshtrain.planning.report import format_breakdown
 from meshtrain.planning.shape import PLANNED_SCHEDULES, Job, ModelShape
-from meshtrain.planning.step_time import step_time
+from meshtrain.planning.step_time import ASYNC_TP_HIDES, step_time
 
 
 @dataclass
@@ -119,6 +119,7 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
         muon, muon_shapes = hidden_shapes(model, registry.get(cfg.model.name).output_layer)
     return Job(shape, gpu, world_size // per_node, per_node, cfg.training.seq_len, cfg.training.global_batch_size,
                compiled=cfg.compile.enable, trainable=trainable, muon=muon, clip=cfg.training.max_norm > 0,
+               tp_overlap=ASYNC_TP_HIDES if cfg.compile.async_tp else 0.0,
                muon_shapes=muon_shapes, ns_steps=cfg.optimizer.ns_steps,
                float8=cfg.float8.recipe if cfg.float8.enable else "",
                float8_all_gather=cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather,

@@ -183,6 +183,10 @@ class Job:
     lora: tuple = ()  # (rank, alpha, target_modules) of [lora], for the activation probe
     chunked_loss: bool = False  # [training] chunked_loss: no fp32 copy of the logits (training/chunked_loss.py)
     sequence_parallel: bool = True  # [parallelism] sequence_parallel (Hugging Face models never apply it)
+    # TP's gathers and scatters pipelined with their matmuls, with sequence parallelism
+    # (planning/step_time.py overlapped_tp_seconds): the share of what could hide that does.
+    # 0: none; [compile] async_tp: ASYNC_TP_HIDES, torch's as measured; 1.0: all of it.
+    tp_overlap: float = 0.0
     # [parallelism] loss_parallel: under TP the loss runs on vocab-sharded logits; False: the
     # output layer gathers them whole on every tp rank, and the loss runs over all of them.
     loss_parallel: bool = True

@@ -92,8 +92,11 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
             # copies, not split by tp.
             experts = lambda recompute: expert_seconds(m, copies=tokens * m.top_k * skew, gpu=gpu,
                                                        recompute=recompute, compiled=job.compiled)
-            seconds = (seconds + (run(moe_block, "full") + experts("full")) * ckpt_moe
-                       + (run(moe_block, kept) + experts(kept)) * (n_moe - ckpt_moe))
+            seconds = seconds + run(moe_block, "full") * ckpt_moe + run(moe_block, kept) * (n_moe - ckpt_moe)
+            tp_matmul = seconds.matmul  # the matmuls TP splits: not the routed experts'
+            seconds = seconds + experts("full") * ckpt_moe + experts(kept) * (n_moe - ckpt_moe)
+        else:
+            tp_matmul = seconds.matmul
         if share.last:
             seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu, chunked_loss=job.chunked_loss,
                                              loss_parallel=job.loss_parallel)
@@ -131,7 +134,13 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         ep_b = (n_ep * ep_in + n_counts * counts) * (ep - 1) / ep
         recomputed = share.layers if lay.ac == "op" else ckpt  # op recomputes element-wise work: the copies too
         copies = tp_layout_copies(share, recomputed, b) if t > 1 and job.sequence_parallel else 0
-        tp_mb = (n_gs * net.seconds("all-gather", act, *tp_g) + n_ar * net.seconds("all-reduce", act, *tp_g)
+        # Only gathers and scatters pipeline into a matmul (async TP needs sequence
+        # parallelism); an all-reduce stays whole.
+        gathers_scatters = n_gs * net.seconds("all-gather", act, *tp_g)
+        if job.tp_overlap:
+            gathers_scatters = overlapped_tp_seconds(gathers_scatters, tp_matmul, t, net.collective_sms / gpu.sms,
+                                                     realised=job.tp_overlap)
+        tp_mb = (gathers_scatters + n_ar * net.seconds("all-reduce", act, *tp_g)
                  + copies * 2 * act / gpu.hbm_bandwidth + (net.seconds("all-gather", logits, *tp_g) if logits else 0.0))
         per_mb.append((compute, tp_mb,
                        sends * net.seconds("send/recv", act / t, *pp_g),
@@ -272,6 +281,33 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                "bubble": bubble, "fsdp": exposed, "contention": contention, "fsdp_copies": copies, "clip": clip, "optimizer": optimizer, **({"muon": muon_time} if job.muon_shapes else {})},
         fsdp_comm_time=fsdp_time,
         compute_split={k: getattr(parts[worst], k) * n_mb for k in ("matmul", "attention", "memory")})
+
+
+# Of what overlapped_tp_seconds could hide, the share torch's async TP ([compile] async_tp:
+# inductor's micro-pipeline TP) does, from torchtitan's measurement of it
+# (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, bf16, the same layouts without and
+# with it): 1.10x for Llama 3 8B at FSDP 8 x TP 8, 1.09x for 70B at FSDP 32 x TP 8, where
+# hiding all of it would give 1.28x and 1.22x: 0.42 and 0.47 of it. Transformer Engine's
+# overlap (Megatron's --tp-comm-overlap, NeMo's ub_tp_comm_overlap) is planned as hiding all
+# of it (1.0): NVIDIA's rows come out within 15% that way (docs/planning.md, Validation).
+ASYNC_TP_HIDES = 0.45
+
+
+def overlapped_tp_seconds(collectives: float, matmul: float, tp: int, slowdown: float, realised: float = 1.0) -> float:
+    """What ``collectives`` seconds of TP all-gathers and reduce-scatters cost when each is
+    pipelined with the matmul it feeds or follows, as async TP does (torch's micro-pipeline
+    TP under [compile] async_tp; Megatron's --tp-comm-overlap, Transformer Engine's
+    ub_tp_comm_overlap). The matmul is cut into tp chunks, one per rank's piece: the piece
+    a rank holds computes first while the next one moves, and a reduce-scatter sends each
+    chunk's partial sum while the next chunk computes. So all but one chunk in tp of the
+    block's matmuls (``matmul`` seconds) can have a transfer beside it; what does not fit
+    beside them stays exposed, and what hides slows the chunks it runs beside by the share
+    of SMs a collective holds (``slowdown``, as FSDP's overlap). ``realised``: the share
+    of that an implementation achieves (ASYNC_TP_HIDES for torch's). Not counted: the
+    smaller chunks' lower matmul efficiency (planning/matmul.py has one tile size; a
+    chunk-timed model of it was tried and rejected, docs/planning.md)."""
+    hidden = realised * min(collectives, matmul * (tp - 1) / tp)
+    return collectives - hidden + slowdown * hidden
 
 
 def tp_collectives(share, recomputed: int, recomputed_moe: int, *, sequence_parallel: bool,

@@ -8,11 +8,13 @@ eager RMSNorm's fp32 passes out puts two of the three eager runs at +23% and +25
 check fails for either. The passes over the parameters (planning/param_passes.py) are held
 to the kernels that ran them in torch's profile of the same step.
 
-Published: Megatron-LM's weak-scaling rows with a pipeline are within 15% but two (-20%, -16%); the rows where
+Published: Megatron-LM's weak-scaling rows with a pipeline are within 15% (-12% to -7%, TP overlapped
+with the GEMMs as the README says they ran; -27% to -17% counted exposed); the rows where
 the estimate misses (docs/planning.md names each cause) are pinned to the side they miss
 on, so a change that moves them is seen.
 """
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -35,23 +37,23 @@ def test_within_15_percent_of_our_measured_h100_runs(row):
     assert abs(error(row)) <= 0.15, f"{error(row):+.0%}"
 
 
-def test_megatron_pipeline_rows_within_30_percent_and_the_1_7b_row_optimistic():
+def test_megatron_pipeline_rows_within_15_percent_and_the_1_7b_row_optimistic():
     rows = validation.megatron()
     assert len(rows) == 9
     for row in rows:
         if row["layout"].pp > 1:
-            # Pessimistic since the planner counts what an FSDP2 stage pays per micro-batch
-            # (an fp32 copy of each gradient, planning/param_passes.py: 70B -13% -> -17%),
-            # which Megatron fuses into its weight-gradient GEMM (gradient_accumulation_fusion);
-            # -18% with the SMs its hidden data-parallel traffic holds (planning/hardware.py),
-            # -20% with the copies torch makes around sequence-parallel collectives, which
-            # Megatron's sequence-first activations do not need (tp_layout_copies); -28% with
-            # the matmuls at the measured H100 table's speeds (physics/kernels/h100.json); -27%
-            # with attention timed by length from it too.
-            assert -0.30 < error(row) <= 0.15, (row["run"], f"{error(row):+.0%}")
-        else:  # By the measured H100 tables: 1.7B +30% (+39% by the roofline), 7.1B +11%,
-            # 16B -6%, 32B -18% (docs/planning.md): what is left of the 1.7B miss is not the
-            # matmuls' speed.
+            # Pessimistic by what an FSDP2 stage pays per micro-batch (an fp32 copy of each
+            # gradient, planning/param_passes.py), which Megatron fuses into its weight-gradient
+            # GEMM (gradient_accumulation_fusion), the SMs hidden data-parallel traffic holds
+            # (planning/hardware.py) and the copies torch makes around sequence-parallel
+            # collectives, which Megatron's sequence-first activations do not need
+            # (tp_layout_copies). Their TP collectives run inside the GEMMs (--tp-comm-overlap,
+            # the README's paragraph above the table: overlapped_tp_seconds); counted exposed,
+            # these rows were -27% to -17%.
+            assert -0.15 <= error(row) <= 0.15, (row["run"], f"{error(row):+.0%}")
+        else:  # By the measured H100 tables: 1.7B +30% (+39% by the roofline), 7.1B +18%,
+            # 16B +5%, 32B +0% (-18% with TP exposed; docs/planning.md): what is left of the
+            # 1.7B miss is not the matmuls' speed.
             assert -0.25 < error(row) < 0.4, (row["run"], f"{error(row):+.0%}")
             if row["job"].model.dim < 4096:
                 assert error(row) > 0.15, (row["run"], f"{error(row):+.0%}")
@@ -320,3 +322,51 @@ def test_lora_under_tp_is_estimated_with_a_warning_that_its_tp_time_is_low():
     tp1 = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=8, world_size=8, strategy="FULL_SHARD", ac="full")
     assert any("tp=2 with [lora]" in w for w in estimate(lora, tp2).warnings)
     assert not estimate(lora, tp1).warnings and not estimate(job, tp2).warnings
+
+
+def test_async_tp_gains_what_torchtitan_measured_it_gains():
+    # torchtitan's asyncTP benchmark ran the same two layouts without and with it: 1.10x for
+    # 8B at FSDP 8 x TP 8, 1.09x for 70B at FSDP 32 x TP 8. Hiding all that could hide
+    # (realised 1.0) gives 1.28x and 1.22x; not overlapping, 1.0x.
+    rows = {row["run"]: row for row in validation.torchtitan()}
+    for plain in ("8B, FSDP 8 x TP 8, local batch 12, per-op SAC, compiled",
+                  "70B, FSDP 32 x TP 8, local batch 16, full AC, compiled"):
+        overlapped = rows[plain + ", async TP"]
+        gain = lambda row: estimate(row["job"], row["layout"]).tokens_per_s_per_gpu
+        measured = overlapped["measured"] / rows[plain]["measured"]
+        assert gain(overlapped) / gain(rows[plain]) == pytest.approx(measured, abs=0.02), plain
+
+
+def test_overlapped_tp_hides_behind_its_matmuls_only_and_only_with_sequence_parallelism():
+    from meshtrain.planning.step_time import overlapped_tp_seconds, step_time
+
+    # Longer than what its matmuls can cover (all but one chunk in tp): the rest is exposed.
+    assert overlapped_tp_seconds(10.0, 4.0, 8, 0.0) == pytest.approx(10.0 - 4.0 * 7 / 8)
+    # Shorter: it all hides, and the matmuls beside it pay the SMs it holds.
+    assert overlapped_tp_seconds(1.0, 100.0, 8, 0.1) == pytest.approx(0.1)
+    assert overlapped_tp_seconds(1.0, 100.0, 8, 0.1, realised=0.5) == pytest.approx(0.5 + 0.05)
+
+    row = next(r for r in validation.torchtitan() if r["run"].endswith("compiled, async TP"))
+    plain = dataclasses.replace(row["job"], tp_overlap=0.0)
+    full, none = step_time(dataclasses.replace(row["job"], tp_overlap=1.0), row["layout"]), step_time(plain, row["layout"])
+    assert full.times["tp"] < 0.5 * none.times["tp"]
+    assert full.comm_bytes["tp"] == none.comm_bytes["tp"]  # the same bytes, moved beside the matmuls
+    # Without sequence parallelism TP all-reduces: nothing to pipeline into a matmul.
+    no_sp = lambda j: step_time(dataclasses.replace(j, sequence_parallel=False), row["layout"]).seconds
+    assert no_sp(dataclasses.replace(row["job"], tp_overlap=1.0)) == no_sp(plain)
+
+
+def test_a_config_with_async_tp_is_planned_with_torchs_measured_overlap():
+    from meshtrain.planning.estimate import estimate_config
+    from meshtrain.planning.step_time import ASYNC_TP_HIDES
+    from meshtrain.physics.gpus import get_gpu
+    from meshtrain.training.config_loader import load_config
+
+    h100 = get_gpu("h100-80gb")
+    plain = estimate_config(load_config("llama70b_2d", ["--compile.enable=true"]), 64, 8, h100)
+    overlapped = estimate_config(load_config("llama70b_2d", ["--compile.enable=true", "--compile.async_tp=true"]),
+                                 64, 8, h100)
+    assert ASYNC_TP_HIDES < 1
+    assert overlapped.times["tp"] < plain.times["tp"]
+    assert overlapped.tokens_per_s_per_gpu > plain.tokens_per_s_per_gpu
+    assert overlapped.memory.total == plain.memory.total
