@@ -24,6 +24,7 @@ from meshtrain.planning import hardware, kernels, matmul
 from meshtrain.planning.report import describe, format_breakdown, format_table, to_toml
 from meshtrain.planning.search import LONG_SEQ, plan
 from meshtrain.planning.shape import Job, ModelShape
+from meshtrain.planning.step_time import ASYNC_TP_HIDES
 from meshtrain.planning.verify import verify
 
 MODEL_ALIASES = {"llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B", "llama3_1b": "1B"}
@@ -91,6 +92,11 @@ def parse_args(argv):
                    help="fraction of the bf16 peak the attention kernel reaches, forward and backward, for "
                         "another kernel than torch's SDPA (default: SDPA's speed by sequence length as measured "
                         "on H100 and H200, physics/kernels/; elsewhere FlashAttention-2's published fraction)")
+    p.add_argument("--tp-overlap", type=float, default=0.0, metavar="X",
+                   help="TP's sequence-parallel gathers and scatters pipelined with their matmuls: the share of "
+                        f"what could hide that does (torch's async TP, [compile] async_tp: {ASYNC_TP_HIDES}, as "
+                        "torchtitan measured it; Transformer Engine's overlap, as Megatron and NeMo run it: 1.0). "
+                        "Default 0: exposed, as train.py runs TP without async TP")
     hardware.add_arguments(p)
     p.add_argument("--moe-imbalance", type=float, default=Job.moe_imbalance, metavar="X",
                    help="a mixture of experts under ep: the busiest ep rank receives X times the mean token "
@@ -151,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         gpu = dataclasses.replace(gpu, matmul_efficiency=args.efficiency)
     if args.attention_efficiency is not None and not 0 < args.attention_efficiency <= 1:
         raise PlanError(f"--attention-efficiency {args.attention_efficiency} must be in (0, 1]")
+    if not 0 <= args.tp_overlap <= 1:
+        raise PlanError(f"--tp-overlap {args.tp_overlap} must be in [0, 1]: the share of TP's gathers and "
+                        f"scatters that hides ({ASYNC_TP_HIDES} torch's async TP, 1.0 all it can)")
     try:
         net = hardware.from_arguments(args, gpu, args.gpus_per_node)
     except hardware.TopologyError as err:
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                         "use a number >= 1")
     job = Job(resolve_model(args.model, **dims), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
               topology=net, moe_imbalance=args.moe_imbalance, chunked_loss=args.chunked_loss,
-              attention_efficiency=args.attention_efficiency or 0.0)
+              attention_efficiency=args.attention_efficiency or 0.0, tp_overlap=args.tp_overlap)
     if job.model.max_positions and args.seq_len > job.model.max_positions:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
                         f"learned positions, which train.py refuses; use --seq-len <= {job.model.max_positions}")
@@ -180,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                if dims else "")
     print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
-          f"sequences{', chunked loss' if job.chunked_loss else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s "
+          f"sequences{', chunked loss' if job.chunked_loss else ''}"
+          f"{f', TP inside the matmuls ({job.tp_overlap:.0%} of what can hide, --tp-overlap)' if job.tp_overlap else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s "
           f"bf16: {matmul_speeds(gpu)}, {attention_speed(gpu, job.seq_len, job.attention_efficiency)}, "
           f"memory-bound work at {gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "
           f"(docs/planning.md, Validation).")

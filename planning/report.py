@@ -92,6 +92,9 @@ def to_toml(e, job: Job, name: str, command: str) -> str:
         f"{e.memory.total / GIB:.1f} GiB per GPU of {job.gpu.hbm_bytes / GIB:.0f},",
         f"# {e.step_time:.2f} s per step, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {e.mfu:.1%} "
         f"on {job.nodes} x {job.gpus_per_node} {job.gpu.name}.",
+        *([f"# Planned with TP inside the matmuls (--tp-overlap {job.tp_overlap}): train.py runs that only under",
+           "# [compile] enable = true and async_tp = true (CUDA), which this file does not set."]
+          if job.tp_overlap and lay.tp > 1 else []),
         f"# Measure the memory: meshtrain dry-run --config {name}.toml --world-size {job.world}",
         f"# Launch on each of {job.nodes} node(s):",
         f"#   torchrun --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} --rdzv-backend=c10d \\",

@@ -169,6 +169,23 @@ def test_another_attention_kernel_is_timed_at_the_fraction_given(job70, capsys):
     assert "attention at 10% (--attention-efficiency)" in capsys.readouterr().out
 
 
+def test_tp_inside_the_matmuls_is_planned_at_the_share_given_and_said_so(job70, capsys):
+    # --tp-overlap X: a run whose TP gathers and scatters pipeline into their matmuls
+    # (torch's async TP, Transformer Engine's overlap). The same bytes, less TP time; the
+    # header says so, and a written config says what train.py needs to run it.
+    lay = ParallelDims(tp=8, pp=1, dp_replicate=1, dp_shard=1, world_size=8, strategy="FULL_SHARD", ac="full",
+                       micro_batch=1)
+    job = dataclasses.replace(job70, global_batch=8)
+    plain, overlapped = estimate(job, lay), estimate(dataclasses.replace(job, tp_overlap=1.0), lay)
+    assert overlapped.times["tp"] < 0.5 * plain.times["tp"] and overlapped.comm_bytes == plain.comm_bytes
+    assert overlapped.tokens_per_s_per_gpu > plain.tokens_per_s_per_gpu
+    text = to_toml(overlapped, dataclasses.replace(job, tp_overlap=1.0), "planned", "test")
+    assert "async_tp = true" in text and "async_tp" not in to_toml(plain, job, "planned", "test")
+    assert run(["--model", "70B", "--nodes", "1", "--gpu", "h100", "--seq-len", "8192", "--global-batch", "8",
+                "--top", "1", "--tp-overlap", "0.45"]) in (0, 1)
+    assert "TP inside the matmuls (45% of what can hide, --tp-overlap)" in capsys.readouterr().out
+
+
 def test_fsdp_bytes_full_shard_is_two_gathers_and_one_reduce_scatter(job70):
     # One micro-batch per step, so one round: FULL_SHARD gathers each block in forward and
     # again in backward, the embedding and the head once (parallel/fsdp.py); SHARD_GRAD_OP
@@ -353,6 +370,8 @@ def test_cli_prints_a_table_and_writes_a_loadable_config(tmp_path):
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--attention-efficiency", "0"], "--attention-efficiency 0.0 must be in (0, 1]"),
     (["--attention-efficiency", "nan"], "must be in (0, 1]"),
+    (["--tp-overlap", "1.5"], "--tp-overlap 1.5 must be in [0, 1]"),
+    (["--tp-overlap", "nan"], "must be in [0, 1]"),
 ])
 def test_cli_errors_exit_2_without_a_traceback(args, message, capsys):
     base = {"--model": "8B", "--nodes": "1", "--gpus-per-node": "8", "--gpu": "h100",
