@@ -138,7 +138,20 @@ def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu, topology=None
 
     model = recipe.build_model(cfg, tokenizer_vocab=1)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
-    return estimate(planner_job(cfg, layout, model, world_size, gpus_per_node, gpu, topology), layout)
+    e = estimate(planner_job(cfg, layout, model, world_size, gpus_per_node, gpu, topology), layout)
+    e.warnings += precision_warnings(cfg)
+    return e
+
+
+def precision_warnings(cfg) -> list[str]:
+    """The formulas time and count a step in bf16 with fp32 reductions (what the large
+    configs set); a config that trains in other dtypes is estimated as if it did."""
+    t = cfg.training
+    if (t.mixed_precision_param, t.mixed_precision_reduce) == ("bfloat16", "float32"):
+        return []
+    return [f'[training] mixed_precision_param = "{t.mixed_precision_param}", mixed_precision_reduce = '
+            f'"{t.mixed_precision_reduce}": the estimate assumes "bfloat16" and "float32" (bf16 matmuls and '
+            f'gathers, fp32 reductions), so its compute, traffic and memory are not this config\'s']
 
 
 def as_dict(e: Estimate, gpu) -> dict:

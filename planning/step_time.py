@@ -191,15 +191,14 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # Float8 all-gather: f8 of the local parameters gather at one byte, not two; the
     # largest unit saves its share when it is a dense block.
     saved = (BF16 - FLOAT8) * f8
-    # FULL_SHARD without a pipeline gathers a block twice a micro-batch (forward, and again
-    # for its backward), but the embedding and the head once: parallel/fsdp.py keeps the
-    # last unit (the head) gathered into its backward and never gathers the embedding's
-    # table for a backward that needs only the token ids.
-    once = gathered_once(m, lay, t)
+    # FULL_SHARD without a pipeline gathers the embedding and the head unlike a block
+    # (end_gathers): (parameters, gathers a step) of each.
+    ends = end_gathers(m, lay, t, n_mb)
+    once = sum(p for p, _ in ends)
     blocks_bytes = BF16 * (local - once) - saved
-    ag = (n_ag * blocks_bytes + (n_mb if once else n_ag) * BF16 * once) * (ds - 1) / ds  # per step
+    ag = (n_ag * blocks_bytes + sum(k * BF16 * p for p, k in ends)) * (ds - 1) / ds  # per step
     # The copies around each gather go by parameters (float8's at the bf16 rates, param_passes).
-    copy_ag = (n_ag * (local - once) + n_mb * once) / local if once else n_ag
+    copy_ag = (n_ag * (local - once) + sum(k * p for p, k in ends)) / local
     unit_saved = (BF16 - FLOAT8) * m.layer_split / t if f8 and unit == m.layer_split / t + m.layer_replicated else 0.0
     rs = FP32 * local * (ds - 1) / ds
     ar = 2 * FP32 * local / ds * (dr - 1) / dr
@@ -213,11 +212,10 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     round_ag = n_units * net.seconds("all-gather", (BF16 * local - saved) / n_units, *dp_g)
     round_rs = n_units * reduce(per_unit)
     gathers = n_ag * round_ag
-    if once:  # the blocks n_ag times, the embedding's and the head's units once a micro-batch
+    if ends:  # the blocks n_ag times, the embedding's and the head's units as end_gathers says
         blocks = m.n_layers  # no pipeline: this rank holds every block
-        ends = n_units - blocks  # the embedding's and the head's units (one when tied)
         gathers = (n_ag * blocks * net.seconds("all-gather", blocks_bytes / blocks, *dp_g)
-                   + n_mb * ends * gather(once / ends))
+                   + sum(k * gather(p) for p, k in ends))
     if routed:
         gathers += n_ag * n_moe * gather(routed / n_moe, ex_g)
         round_rs += n_moe * net.seconds("reduce-scatter", FP32 * routed / n_moe, *ex_g)
@@ -371,14 +369,26 @@ def fsdp_unit_count(m: ModelShape, share) -> int:
     return share.layers + share.first + share.last - (m.tied and share.first and share.last)
 
 
-def gathered_once(m: ModelShape, lay: ParallelDims, tp: int) -> float:
-    """Parameters of one GPU that FULL_SHARD reducing every micro-batch gathers once a
-    micro-batch (the embedding and the head) where it gathers a block twice; 0 where every
-    unit is gathered alike (``fsdp_rounds``): reducing once a step (pipelines, gradient_sync =
-    "step"), SHARD_GRAD_OP, NO_SHARD."""
-    if lay.reduces_once or keeps_gathered(lay):
-        return 0.0
-    return m.embedding / tp + (0 if m.tied else m.head_split / tp) + m.head_replicated
+def end_gathers(m: ModelShape, lay: ParallelDims, tp: int, n_mb: int) -> tuple[tuple[float, int], ...]:
+    """(parameters of one GPU, all-gathers a step) of each unit that, without a pipeline, is
+    gathered unlike a block; () where every unit is gathered as ``fsdp_rounds`` says.
+    parallel/fsdp.py never reshards the last unit (the head) after its forward, since its
+    backward comes next, and never gathers the embedding's table for a backward that needs
+    only the token ids. So FULL_SHARD reducing every micro-batch gathers each once a
+    micro-batch where it gathers a block twice (untied: two units; tied: one holding both).
+    Reducing once a step (gradient_sync = "step"): FULL_SHARD gathers a block m + 1 times
+    and the embedding once a micro-batch (its forward); SHARD_GRAD_OP and NO_SHARD each unit
+    once; and either gathers the head twice, FSDP2 gathering it again in the last
+    micro-batch. As the dry run traces them (tests/test_dry_run.py); a tied unit, whose table
+    the head's backward needs, is counted there as a block."""
+    if lay.pp > 1 or (keeps_gathered(lay) and not lay.reduces_once):
+        return ()
+    head = (0 if m.tied else m.head_split / tp) + m.head_replicated
+    if m.tied:
+        return () if lay.reduces_once else ((m.embedding / tp + head, n_mb),)
+    if lay.reduces_once:
+        return ((m.embedding / tp, 1 if keeps_gathered(lay) else n_mb), (head, 2))
+    return ((m.embedding / tp, n_mb), (head, n_mb))
 
 
 def float8_gathered(job: Job, share, tp: int) -> float:
