@@ -345,9 +345,15 @@ def kempnerforge_model(size: str) -> ModelShape:
     """The report's shapes: "7B" is Llama 3 8B's (8.03B parameters), 70B is Llama 3 70B's, 13B
     is dim 5120, 40 layers, 40 heads, 8 kv heads, FFN 17,920 (14.84B); vocabulary 128,256."""
     if size == "13B":
-        return ModelShape.from_flavor("8B", 128_256, "llama", dim=5120, n_heads=40, n_kv_heads=8,
-                                      ffn_hidden=17_920, n_layers=40)
-    return llama({"7B": "8B", "70B": "70B"}[size])
+        shape = ModelShape.from_flavor("8B", 128_256, "llama", dim=5120, n_heads=40, n_kv_heads=8,
+                                       ffn_hidden=17_920, n_layers=40)
+    else:
+        shape = llama({"7B": "8B", "70B": "70B"}[size])
+    # Its TP plan (kempnerforge/distributed/tensor_parallel.py, _build_block_tp_plan) gives q, k,
+    # v, gate and up each a ColwiseParallel with its own Shard(1) input: each gathers the
+    # sequence for itself and reduce-scatters its own input gradient, 14 collectives a block
+    # where meshtrain's plan (one prepared input for attention, one for the FFN) makes 8.
+    return dataclasses.replace(shape, tp_reductions=((5, 2), (0, 0)))
 
 
 @functools.lru_cache(maxsize=None)

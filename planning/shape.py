@@ -65,7 +65,8 @@ class ModelShape:
     moe_hidden: int = 0      # one routed expert's SwiGLU width
     shared_hidden: int = 0   # the shared experts' SwiGLU width (0: none)
     # ((column-split, row-split) Linears of a dense block, of a MoE block) for a TP plan whose
-    # Linears each reduce their own activations (Hugging Face models'); () for the native plans.
+    # Linears each reduce (or, with sequence parallelism, gather and scatter) their own
+    # activations (Hugging Face models', KempnerForge's); () for the native plans.
     tp_reductions: tuple = ()
     ep_divisible: dict | None = field(default=None, compare=False)  # what ep must divide; None: no experts
 

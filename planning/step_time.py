@@ -133,7 +133,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         n_ep, n_counts = (4 * n_moe + 2 * ckpt_moe, n_moe + ckpt_moe) if ep > 1 else (0, 0)
         ep_b = (n_ep * ep_in + n_counts * counts) * (ep - 1) / ep
         recomputed = share.layers if lay.ac == "op" else ckpt  # op recomputes element-wise work: the copies too
-        copies = tp_layout_copies(share, recomputed, b) if t > 1 and job.sequence_parallel else 0
+        copies = (tp_layout_copies(share, recomputed, b, m.tp_reductions) if t > 1 and job.sequence_parallel
+                  else 0)
         # Only gathers and scatters pipeline into a matmul (async TP needs sequence
         # parallelism); an all-reduce stays whole.
         gathers_scatters = n_gs * net.seconds("all-gather", act, *tp_g)
@@ -326,8 +327,13 @@ def tp_collectives(share, recomputed: int, recomputed_moe: int, *, sequence_para
     one its input gradient in backward; the native plans prepare attention's and the FFN's
     input as one DTensor, so q, k and v (w1 and w3) share one: (2, 2) per dense block.
     ``reductions``, ((column, row) of a dense block, of a MoE block), is a plan whose every
-    Linear reduces alone (Hugging Face models': (5, 2) for a Llama-like block). The embedding
-    and the output layer: one each way. Not counted: the all-gathers some Hugging Face plans
+    Linear reduces alone (Hugging Face models': (5, 2) for a Llama-like block). With
+    sequence parallelism such a plan (KempnerForge's: each column-split Linear takes its own
+    Shard(1) input) gathers the sequence for each column-split Linear and scatters after
+    each row-split one, and the reverse in backward: 2 (column + row) a dense block, 14 for
+    Llama's (5, 2), where the native plans' one prepared input makes 8; a recomputed block
+    runs all of its forward's again but the last scatter. The embedding and the output
+    layer: one each way. Not counted: the all-gathers some Hugging Face plans
     add (a fused qkv's output, q/k norms over the whole width), GPT-2's position embedding.
 
     A recomputed block (AC full; selective's wrapped ones) runs its forward again, but
@@ -337,13 +343,15 @@ def tp_collectives(share, recomputed: int, recomputed_moe: int, *, sequence_para
     moe, dense = share.moe_layers, share.layers - share.moe_layers
     ends, shared = share.first + share.last, int(shared_experts)
     if sequence_parallel:
-        return 8 * dense + 6 * moe + 2 * ends + 3 * recomputed, (3 * moe + recomputed_moe) * shared
+        c, r = reductions[0] if reductions else (2, 2)
+        return (2 * (c + r) * dense + 6 * moe + 2 * ends + (c + r - 1) * (recomputed - recomputed_moe)
+                + 3 * recomputed_moe), (3 * moe + recomputed_moe) * shared
     (col, row), (moe_col, moe_row) = reductions or ((2, 2), (1 + 2 * shared, 1 + shared))
     return 0, (dense * (col + row) + moe * (moe_col + moe_row) + ends
                + (recomputed - recomputed_moe) * (row - 1) + recomputed_moe * moe_row)
 
 
-def tp_layout_copies(share, recomputed: int, micro_batch: int) -> int:
+def tp_layout_copies(share, recomputed: int, micro_batch: int, reductions: tuple = ()) -> int:
     """Copies of a whole activation around TP's sequence-parallel collectives per micro-batch
     on this rank, each read and written once, on the critical path with the collectives.
     Activations are [batch, seq, dim] and SP shards the sequence (dim 1), but NCCL gathers
@@ -355,11 +363,15 @@ def tp_layout_copies(share, recomputed: int, micro_batch: int) -> int:
     embedding and the head one of each; a recomputed block (AC full, and op, whose policy
     saves the collectives' outputs but not the copies) 1 more reduce-scatter copy and 2 more
     all-gather ones; a MoE block's feed-forward returns to sequence shards by a local chunk,
-    2 reduce-scatter copies fewer. (Megatron-LM keeps activations sequence-first,
-    [seq, batch, dim], and has none of them.)"""
-    ends = share.first + share.last
-    scatters = 4 * share.layers + ends + recomputed - 2 * share.moe_layers
-    gathers = 4 * share.layers + ends + 2 * recomputed
+    2 reduce-scatter copies fewer. A plan gathering for each column-split Linear
+    (``reductions``, tp_collectives) copies around each of its collectives: (column + row)
+    of each kind a dense block, a recomputed one row - 1 more scatter and column more
+    gathers. (Megatron-LM keeps activations sequence-first, [seq, batch, dim], and has none
+    of them.)"""
+    ends, moe = share.first + share.last, share.moe_layers
+    c, r = reductions[0] if reductions else (2, 2)
+    scatters = (c + r) * (share.layers - moe) + 2 * moe + ends + (r - 1) * recomputed
+    gathers = (c + r) * (share.layers - moe) + 4 * moe + ends + c * recomputed
     return scatters + (gathers if micro_batch > 1 else 0)
 
 

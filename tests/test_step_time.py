@@ -370,3 +370,67 @@ def test_a_config_with_async_tp_is_planned_with_torchs_measured_overlap():
     assert overlapped.times["tp"] < plain.times["tp"]
     assert overlapped.tokens_per_s_per_gpu > plain.tokens_per_s_per_gpu
     assert overlapped.memory.total == plain.memory.total
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_a_plan_gathering_for_each_column_linear_makes_the_collectives_and_copies_counted(fake_world, ac):
+    # KempnerForge's TP plan, built on meshtrain's Llama: no prepared input for attention and
+    # the FFN, each of q, k, v, w1, w3 a ColwiseParallel of its own Shard(1) input. Torch then
+    # gathers the sequence five times a block where the native plan gathers twice; the
+    # planner's tp_collectives and tp_layout_copies with reductions (5, 2) count what it runs
+    # (with the native plan's counts, 8 a block, this fails).
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtrain.models.llama import Llama
+    from meshtrain.parallel import ParallelDims, apply_ac
+    from meshtrain.parallel.tensor_parallel import apply_tp
+    from meshtrain.physics.gpus import get_gpu
+    from meshtrain.planning.shape import Job, ModelShape
+    from meshtrain.planning.shares import checkpointed_blocks, rank_shares
+    from meshtrain.planning.step_time import tp_collectives, tp_layout_copies
+
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama.from_flavor("debug", vocab_size=512)
+    plan = model.tp_plan(sequence_parallel=True)
+    for name in model.layers:
+        del plan[f"layers.{name}.attention"], plan[f"layers.{name}.feed_forward"]
+        for linear in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"layers.{name}.{linear}"] = ColwiseParallel(input_layouts=Shard(1))
+    apply_tp(model, init_device_mesh("cpu", (2,)), plan)
+    apply_ac(model.transformer_blocks(), ac, every=2)
+    micro_batch, seq, dim = 2, 64, model.cfg.dim
+    whole, shapes = micro_batch * seq * dim, {(micro_batch, seq, dim), (2 * micro_batch, seq // 2, dim)}
+
+    class ActivationTraffic(TorchDispatchMode):
+        cats, collectives = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.cat.default and tuple(out.shape) in shapes:
+                self.cats += 1
+            name = func.__name__.split(".")[0]
+            if (func.namespace == "_c10d_functional" and name in ("all_gather_into_tensor", "reduce_scatter_tensor",
+                                                                  "all_reduce")
+                    and whole in (args[0].numel(), out.numel())):
+                self.collectives += 1
+            return out
+
+    with ActivationTraffic() as seen:
+        model(torch.randint(0, 512, (micro_batch, seq))).float().logsumexp(-1).full_tensor().sum().backward()
+    shape = ModelShape.from_model(model, flavor="debug", n_layers=model.cfg.n_layers, family="llama",
+                                  learned_positions=False)
+    job = Job(shape, get_gpu("h100-80gb"), 1, 2, seq, micro_batch)
+    lay = ParallelDims(tp=2, pp=1, dp_replicate=1, dp_shard=1, world_size=2, strategy="FULL_SHARD", ac=ac,
+                       micro_batch=micro_batch)
+    (share,) = rank_shares(job, lay)
+    ckpt = checkpointed_blocks(share, ac)
+    per_linear = ((5, 2), (0, 0))
+    assert (seen.collectives, 0) == tp_collectives(share, ckpt, 0, sequence_parallel=True, shared_experts=False,
+                                                   reductions=per_linear)
+    assert seen.cats == tp_layout_copies(share, ckpt, micro_batch, per_linear)
+    assert seen.collectives > tp_collectives(share, ckpt, 0, sequence_parallel=True, shared_experts=False)[0]
