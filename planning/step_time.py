@@ -392,13 +392,15 @@ def end_gathers(m: ModelShape, lay: ParallelDims, tp: int, n_mb: int) -> tuple[t
     and the embedding once a micro-batch (its forward); SHARD_GRAD_OP and NO_SHARD each unit
     once; and either gathers the head twice, FSDP2 gathering it again in the last
     micro-batch. As the dry run traces them (tests/test_dry_run.py); a tied unit, whose table
-    the head's backward needs, is counted there as a block."""
-    if lay.pp > 1 or (keeps_gathered(lay) and not lay.reduces_once):
+    the head's backward needs, is counted there as a block. One micro-batch a step holds
+    nothing: it is gathered as reducing every micro-batch."""
+    held = lay.reduces_once and n_mb > 1
+    if lay.pp > 1 or (keeps_gathered(lay) and not held):
         return ()
     head = (0 if m.tied else m.head_split / tp) + m.head_replicated
     if m.tied:
-        return () if lay.reduces_once else ((m.embedding / tp + head, n_mb),)
-    if lay.reduces_once:
+        return () if held else ((m.embedding / tp + head, n_mb),)
+    if held:
         return ((m.embedding / tp, 1 if keeps_gathered(lay) else n_mb), (head, 2))
     return ((m.embedding / tp, n_mb), (head, n_mb))
 
