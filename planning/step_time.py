@@ -64,6 +64,9 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # (size, stride) of each dimension's groups; a collective's time is net.seconds' (latency
     # of NCCL's algorithm + bytes over NVLink / the node's NICs, planning/hardware.py).
     net = job.net
+    # While a collective runs it holds collective_sms of the GPU's SMs (planning/hardware.py):
+    # compute beside it, FSDP's or TP's, runs on the rest.
+    slowdown = net.collective_sms / gpu.sms
     tp_g, cp_g, pp_g = (t, 1), (cp, t), (lay.pp, t * lay.dp * cp)
     ep_g = (lay.ep, t * cp)  # ep: neighbouring dp_shard ranks (parallel/expert_parallel.py)
     # NO_SHARD: no shard group (size 1, free); gradients all-reduced over every replica.
@@ -139,7 +142,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         # parallelism); an all-reduce stays whole.
         gathers_scatters = n_gs * net.seconds("all-gather", act, *tp_g)
         if job.tp_overlap:
-            gathers_scatters = overlapped_tp_seconds(gathers_scatters, tp_matmul, t, net.collective_sms / gpu.sms,
+            gathers_scatters = overlapped_tp_seconds(gathers_scatters, tp_matmul, t, slowdown,
                                                      realised=job.tp_overlap)
         tp_mb = (gathers_scatters + n_ar * net.seconds("all-reduce", act, *tp_g)
                  + copies * 2 * act / gpu.hbm_bandwidth + (net.seconds("all-gather", logits, *tp_g) if logits else 0.0))
@@ -245,7 +248,6 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # (planning/hardware.py) and the compute beside it runs on the rest, slowed by that
     # fraction for as long as the two overlap. The step grows only where the slowed compute
     # then outlasts the traffic.
-    slowdown = net.collective_sms / gpu.sms
     contention = max(0.0, compute + slowdown * overlapped - max(overlapped, compute))
     # Passes over the parameters, memory-bound (planning/param_passes.py): FSDP2's copies
     # around its collectives, the gradient norm and clipping, AdamW.
