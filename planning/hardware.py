@@ -67,9 +67,14 @@ TREE_BANDWIDTH = 0.9          # NCCL: tree bus bandwidth x 0.9
 # A running NCCL collective holds one SM per channel: each channel is a thread block of up
 # to 640 threads (NCCL_MAX_NTHREADS) whose registers fill an SM, so compute overlapping it
 # runs on the other SMs. NCCL picks the channel count from the topology, at most 32
-# (MAXCHANNELS), fewer on PCIe or few-NIC nodes; an 8-GPU Hopper node's log reads
-# "16 coll channels" (NVIDIA/nccl#892, on H800s). We take that 16: 12% of an H100's 132 SMs.
-COLLECTIVE_SMS = 16
+# (MAXCHANNELS), fewer where the links are fewer. On an H100 whose all-gather overlaps a
+# GEMM as FSDP's prefetch does, Nsight shows ncclAllGather launching 24 blocks (NVIDIA
+# developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance Degradation
+# because of Tail Effect"); an 8-GPU HGX A100's rings are 24 channels (NVIDIA/nccl-tests#100);
+# 16 is an H800 node's (NVIDIA/nccl#892), whose NVLink has 8 links where an H100's has 18.
+# 24 of an H100's 132 SMs is 18%, as measured independently: overlapping compute with
+# communication slowed it by 18.9% on average (A100, H100, MI250, MI210; arXiv 2507.03114).
+COLLECTIVE_SMS = 24
 
 
 # Beyond these a number is possible to write but not to buy (late 2026): said in the
