@@ -79,10 +79,10 @@ def apply_ac(blocks, mode: str, every: int = 2, *, root: nn.Module | None = None
     return out
 
 
-def apply_compile(blocks, *, root: nn.Module | None = None) -> list[nn.Module]:
+def apply_compile(blocks, *, root: nn.Module | None = None, backend="inductor") -> list[nn.Module]:
     """Compile each block separately: blocks are identical, so one graph is reused for all
     of them, and FSDP's per-block hooks stay outside the compiled regions. ``blocks`` and
-    ``root`` as for `apply_ac`; returns the compiled blocks."""
+    ``root`` as for `apply_ac`; ``backend`` as torch.compile's; returns the compiled blocks."""
     # A block that keeps statistics of its forward (a mixture of experts counting its
     # experts' loads) updates them once per forward; eager checkpointing's recomputation
     # leaves them alone too (the block asks whether autograd's engine is running). Under
@@ -91,7 +91,7 @@ def apply_compile(blocks, *, root: nn.Module | None = None) -> list[nn.Module]:
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     out = []
     for parent, name, block in block_slots(blocks, root):
-        block = torch.compile(block, fullgraph=True)
+        block = torch.compile(block, fullgraph=True, backend=backend)
         setattr(parent, name, block)
         out.append(block)
     return out

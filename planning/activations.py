@@ -19,6 +19,14 @@ gradient hooks read its counters at each block's boundary:
     forward_extra  the forward's peak above what it keeps (the loss's fp32 copies)
     stage_input    a later pipeline stage's input, [s/tp, dim] in the compute dtype
 
+Compiled blocks ([compile] enable) keep less: inductor's partitioner saves a few tensors
+and recomputes the element-wise ops between them in backward (the norms' fp32 upcasts, the
+SwiGLU product). What it saves is read off the partitioner itself: each block compiled with
+torch's "aot_eager_decomp_partition" backend (inductor's decompositions and min-cut
+partitioner, no kernels generated), on the same fake tensors, and the tensors its forward
+saves for backward counted (`compiled_blocks`). Torch's memory tracker is a dispatch mode,
+under which dynamo does not compile, so the rest of the profile is the eager trace's.
+
 All of it is per sequence: activations are proportional to the micro-batch (flash
 attention keeps no s x s term). Parameters and their gradients are not activations: the
 probe runs without FSDP and asks autograd for the activations' gradients only; FSDP's
@@ -54,6 +62,7 @@ class ProbeKey:
     dims: tuple = ()  # [model]'s dimensions over the flavor's (ModelShape.dims)
     experts: bool = False  # a mixture of experts: probe its MoE blocks (else its dense ones)
     chunked_loss: bool = False  # [training] chunked_loss: the loss keeps no fp32 copy of the logits
+    compiled: bool = False  # [compile] enable: each block compiled, keeping what inductor's partitioner saves
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,7 @@ class ActivationProfile:
 
 
 def probe_key(model, seq_len: int, tp: int, ac: str, lora: tuple = (), chunked_loss: bool = False,
-              sequence_parallel: bool = True, loss_parallel: bool = True) -> ProbeKey | None:
+              sequence_parallel: bool = True, loss_parallel: bool = True, compiled: bool = False) -> ProbeKey | None:
     """The probe of a planner ModelShape's block at ``seq_len`` tokens per rank, or None
     for a family that cannot build a short copy of itself from a flavor (hf)."""
     from meshtrain.models import registry
@@ -89,7 +98,7 @@ def probe_key(model, seq_len: int, tp: int, ac: str, lora: tuple = (), chunked_l
     sequence_parallel, loss_parallel = (sequence_parallel, loss_parallel) if tp > 1 else (True, True)
     return ProbeKey(model.family, model.flavor, model.vocab, seq_len=seq_len, tp=tp, ac=ac, lora=lora,
                     dims=model.dims, experts=model.moe_layers > 0, chunked_loss=chunked_loss,
-                    sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+                    sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, compiled=compiled)
 
 
 def period_of(key: ProbeKey) -> int:
@@ -132,7 +141,9 @@ def _traced_profile(key: ProbeKey) -> ActivationProfile:
         dist.destroy_process_group()
 
 
-def _probe_model(key: ProbeKey):
+def _probe_model(key: ProbeKey, backend=None):
+    """The probe's short model, parallelized as a run would be; with ``backend``, each block
+    also compiled with it."""
     from meshtrain.models import registry
     from meshtrain.parallel import ParallelDims, parallelize
 
@@ -152,8 +163,99 @@ def _probe_model(key: ProbeKey):
         apply_lora(model, rank=rank, alpha=alpha, target_modules=list(targets), exclude=family.high_precision)
     model.to(getattr(torch, key.dtype))  # FSDP's mixed precision, without FSDP (on meta: free)
     mesh = ParallelDims(tp=key.tp, dp_shard=1, world_size=key.tp).build_mesh("cpu")
-    return parallelize(model, mesh, sequence_parallel=key.sequence_parallel, loss_parallel=key.loss_parallel,
-                       activation_checkpoint=key.ac, ac_every=key.ac_every), model.cfg
+    cfg = model.cfg
+    model = parallelize(model, mesh, sequence_parallel=key.sequence_parallel, loss_parallel=key.loss_parallel,
+                        activation_checkpoint=key.ac, ac_every=key.ac_every)
+    if backend is not None:
+        from meshtrain.parallel.activation_checkpoint import apply_compile
+
+        blocks = list(model.transformer_blocks().values())
+        apply_compile([b for i, b in enumerate(blocks) if not whole_block_recomputed(key, i)], root=model,
+                      backend=backend)
+    return model, cfg
+
+
+def whole_block_recomputed(key: ProbeKey, i: int) -> bool:
+    """Whether AC recomputes all of block i (parallel/activation_checkpoint.py apply_ac): it
+    keeps only its input, compiled or not."""
+    return key.ac == "full" or (key.ac == "selective" and i % key.ac_every == 0)
+
+
+class _PartitionOnly:
+    """A torch.compile backend: inductor's decompositions and partitioner, the graphs run
+    eagerly; it counts the graphs it was given, so a block that did not compile is an error."""
+
+    def __init__(self):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.inner, self.graphs = lookup_backend("aot_eager_decomp_partition"), 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+def compiled_blocks(key: ProbeKey) -> dict[int, float]:
+    """What each block of the probe that AC does not recompute whole keeps from its forward
+    to its backward when compiled, by the block's index: the storages its compiled forward
+    saves for backward (not the parameters', not its input's, which the block before keeps)
+    and its output, once each."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from meshtrain.training.step import logits_of
+
+    # Fresh caches: probes of other shapes in this process must not reach dynamo's recompile
+    # limit, past which it would run the block eagerly.
+    torch._dynamo.reset()
+    backend = _PartitionOnly()
+    model, cfg = _probe_model(key, backend)
+    blocks = list(model.transformer_blocks().values())
+    kept, current, inputs = [dict() for _ in blocks], [None], {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        # The compiled graph takes a TP-sharded parameter's local shard and may save it.
+        fixed = {StorageWeakRef(getattr(t, "_local_tensor", t).untyped_storage())
+                 for t in (*model.parameters(), *model.buffers())}
+
+        def storages(x):
+            return [StorageWeakRef(getattr(t, "_local_tensor", t).untyped_storage())
+                    for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+        def before(i):
+            def hook(module, args):
+                current[0] = i
+                inputs[i] = set(storages(args))
+            return hook
+
+        def count(i, t):  # a storage once, however many views of it are saved
+            local = getattr(t, "_local_tensor", t)
+            kept[i][StorageWeakRef(local.untyped_storage())] = local.untyped_storage().nbytes()
+
+        def after(i):
+            def hook(module, args, out):
+                current[0] = None
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        count(i, t)
+            return hook
+
+        def pack(t):
+            if current[0] is not None:
+                count(current[0], t)
+            return t
+
+        hooks = [b.register_forward_pre_hook(before(i)) for i, b in enumerate(blocks)]
+        hooks += [b.register_forward_hook(after(i)) for i, b in enumerate(blocks)]
+        tokens = torch.randint(0, cfg.vocab_size, (1, key.seq_len))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits_of(model(tokens))
+        for h in hooks:
+            h.remove()
+    if backend.graphs == 0:
+        raise RuntimeError(f"the probe's blocks did not compile ({key})")
+    return {i: sum(n for ref, n in k.items() if ref not in fixed and ref not in inputs[i])
+            for i, k in enumerate(kept) if not whole_block_recomputed(key, i)}
 
 
 class _Levels:
@@ -246,6 +348,10 @@ def _trace(key: ProbeKey) -> ActivationProfile:
     block_working = max(phases[n - i] - start - stack(i) for i in range(n))
     period = period_of(key)
     act_seq = key.seq_len // key.tp if key.tp > 1 and key.sequence_parallel else key.seq_len
+    if key.compiled and not all(whole_block_recomputed(key, i) for i in range(n)):
+        # The backward working set stays the eager one's: an upper bound.
+        compiled = compiled_blocks(key)
+        kept = [compiled.get(i, kept[i]) for i in range(n)]
     return ActivationProfile(
         embed=embed, blocks=tuple(kept[period:2 * period]), head=head, head_working=head_working,
         block_working=block_working, forward_extra=forward_peak - end_of_forward,

@@ -124,7 +124,7 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
                float8=cfg.float8.recipe if cfg.float8.enable else "",
                float8_all_gather=cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather,
                lora=(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.enable else (),
-               chunked_loss=cfg.training.chunked_loss,
+               chunked_loss=cfg.training.chunked_loss, compiled_loss=cfg.compile.loss,
                # Hugging Face models' TP plans never apply sequence parallelism (models/hf/model.py)
                sequence_parallel=cfg.parallelism.sequence_parallel and cfg.model.name != "hf",
                loss_parallel=cfg.parallelism.loss_parallel,

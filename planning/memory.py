@@ -173,8 +173,11 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float
 def probe_of(job: Job, lay: ParallelDims) -> ProbeKey | None:
     """The activation probe a layout's memory reads (planning/activations.py); None for a
     family without one (its activations come from formulas)."""
-    return probe_key(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora, job.chunked_loss,
-                     sequence_parallel=job.sequence_parallel, loss_parallel=job.loss_parallel)
+    # A compiled loss keeps what the chunked one keeps, the bf16 logits (the partitioner saves
+    # them and two fp32 numbers per row), and its backward writes their bf16 gradient from
+    # fused kernels: traced as the chunked loss, whose one fp32 chunk is the difference.
+    return probe_key(job.model, job.seq_len // lay.cp, lay.tp, lay.ac, job.lora, job.chunked_loss or job.compiled_loss,
+                     sequence_parallel=job.sequence_parallel, loss_parallel=job.loss_parallel, compiled=job.compiled)
 
 
 def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
@@ -316,7 +319,7 @@ def formula_activations(job: Job, lay: ParallelDims, share: RankShare) -> float:
         # them, their bf16 gradient and one chunk's fp32 softmax. Without loss_parallel the
         # output layer gathers the whole vocabulary's logits on every tp rank.
         logits = s * b * m.vocab / (t if job.loss_parallel else 1)
-        if job.chunked_loss:
+        if job.chunked_loss or job.compiled_loss:  # the compiled loss: as probe_of says
             kept_logits = BF16 * logits
             loss_working = 2 * BF16 * logits + FP32 * min(chunked_loss.CHUNK_ELEMENTS, logits)
         else:

@@ -183,6 +183,9 @@ class Job:
     trainable: float = 1.0
     lora: tuple = ()  # (rank, alpha, target_modules) of [lora], for the activation probe
     chunked_loss: bool = False  # [training] chunked_loss: no fp32 copy of the logits (training/chunked_loss.py)
+    # [compile] loss: the fp32 upcast fused into the compiled loss, which saves only the bf16
+    # logits (and a statistic per row) for backward: its memory is chunked_loss's (planning/memory.py).
+    compiled_loss: bool = False
     sequence_parallel: bool = True  # [parallelism] sequence_parallel (Hugging Face models never apply it)
     # TP's gathers and scatters pipelined with their matmuls, with sequence parallelism
     # (planning/step_time.py overlapped_tp_seconds): the share of what could hide that does.

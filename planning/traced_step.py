@@ -10,6 +10,7 @@ torch's PipelineStage sets it.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -37,7 +38,11 @@ def build_rank(cfg, world_size: int, gpus_per_node: int, cut=None):
     model = recipe.build_model(cfg, tokenizer_vocab=1)  # vocab from the config (or the byte tokenizer's)
     layout = recipe.plan_layout(cfg, model, world_size, gpus_per_node=gpus_per_node, this_machine=False)
     mesh = layout.build_mesh("cpu")
-    parts = recipe.build_parts(cfg, cut(model, layout) if cut else layout, mesh, model).parts
+    # Built uncompiled: the traces run under torch dispatch modes (the memory tracker, the
+    # collective recorder), under which dynamo does not compile. The blocks' collectives are
+    # FSDP's hooks' and TP's, the same compiled or not (async TP, CUDA only, aside).
+    uncompiled = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enable=False, async_tp=False))
+    parts = recipe.build_parts(uncompiled, cut(model, layout) if cut else layout, mesh, model).parts
     for param in (q for _, m in parts for q in m.parameters()):
         if isinstance(param, DTensor):
             _whole_group(param.device_mesh)  # made now: creating groups under fake tensors fails
