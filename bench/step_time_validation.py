@@ -342,6 +342,28 @@ DGXC = [
 ]
 DGXC_SEQ = {"gpt3 175b": 2048, "nemotron4 15b": 4096, "nemotron4 340b": 4096}  # the others 8,192
 
+# AI2's OLMo-core (torch-native: FSDP2, `fully_shard` per block and over the whole model, as
+# meshtrain's FULL_SHARD; bf16 parameters, fp32 reductions; torch.compile per block, under which
+# it attends with torch's SDPA rather than flash-attn), its README's table "measured on a cluster
+# with NVIDIA H100 GPUs", tokens/s per device, bf16, seq 4096, each row with the official train
+# script at the commit that published the number: no activation checkpointing, fused AdamW,
+# z-loss, vocabulary dolma2's 100,278 padded to 100,352, output untied, gradients reduced every
+# micro-batch (its no_sync is for DDP only). The loss: `fused_loss` (flash-attn's Triton
+# cross-entropy, bf16 logits kept), planned as [training] chunked_loss like llm-foundry's, or,
+# for 1B, `compile_loss`, meshtrain's [compile] loss. Not stated: the
+# node count; the launcher's default is one node of 8 GPUs (`num_nodes=1, num_gpus=8`), taken
+# here (several nodes would run HSDP, replicas across nodes). Not expressed: OLMo 2's q/k norms
+# and its norms after attention and FFN (the 8B row is a plain Llama). Columns: size, commit,
+# script, dim, layers, heads, kv heads, FFN, micro-batch (sequences), global batch (sequences),
+# tok/s per GPU.
+OLMO_CORE_URL = "https://github.com/allenai/OLMo-core/blob/{commit}/README.md"
+OLMO_CORE = [
+    ("1B", "e27ba74550f12a685b95aded46c88f845a7e2d6d", "OLMo-1B.py", 2048, 18, 16, 16, 5632, 8, 1024, 55_000),
+    ("7B", "8c03ca8a2103d7f5d92feb045eb8811fd919d109", "OLMo-7B.py", 4096, 32, 32, 32, 11_008, 2, 1024, 10_000),
+    ("8B", "41400c46fcce82cf2f8c491e51d861b1ffef5798", "Llama-8B.py", 4096, 32, 32, 8, 14_336, 2, 1024, 9_500),
+    ("13B", "8c03ca8a2103d7f5d92feb045eb8811fd919d109", "OLMo-13B.py", 5120, 40, 40, 40, 13_824, 1, 2048, 4_600),
+]
+
 
 def kempnerforge_model(size: str) -> ModelShape:
     """The report's shapes: "7B" is Llama 3 8B's (8.03B parameters), 70B is Llama 3 70B's, 13B
@@ -402,7 +424,7 @@ def dgxc_model(recipe: str, layers: int) -> ModelShape:
 def held_out() -> list[dict]:
     """Published bf16 runs of other frameworks, not used to set any planner constant: each with
     its source, layout, the published figure and its conversion to tokens/s per GPU."""
-    return kempnerforge_rows() + mosaic_rows() + llama3_rows() + dgxc_rows()
+    return kempnerforge_rows() + mosaic_rows() + llama3_rows() + dgxc_rows() + olmo_core_rows()
 
 
 def kempnerforge_rows() -> list[dict]:
@@ -507,6 +529,23 @@ def dgxc_rows() -> list[dict]:
                          job=job, layout=lay, published=f"{tok_s:,} tok/s ({step_s} s a step)",
                          published_value=tok_s, published_step_s=step_s, published_mfu=None,
                          published_memory_gb=None, measured=tok_s / gpus))
+    return rows
+
+
+def olmo_core_rows() -> list[dict]:
+    rows = []
+    for size, commit, script, dim, layers, heads, kv, ffn, mb, batch, tok_s_gpu in OLMO_CORE:
+        shape = ModelShape.from_flavor("8B", 100_352, "llama", dim=dim, n_heads=heads, n_kv_heads=kv,
+                                       ffn_hidden=ffn, n_layers=layers)
+        fused = size != "1B"  # 1B: compile_loss
+        job = Job(shape, H100, 1, 8, 4096, batch, compiled=True, chunked_loss=fused, compiled_loss=not fused)
+        lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=8, world_size=8, strategy="FULL_SHARD", ac="none",
+                           micro_batch=mb)
+        rows.append(dict(source=f"OLMo-core {size} ({script})", url=OLMO_CORE_URL.format(commit=commit),
+                         run=f"{size}, H100 1x8 (assumed), FSDP 8, AC none, {mb} x {batch // (8 * mb)} x 4,096, compiled",
+                         job=job, layout=lay, published=f"{tok_s_gpu:,} tok/s/GPU",
+                         published_value=tok_s_gpu, published_mfu=None, published_memory_gb=None,
+                         measured=tok_s_gpu))
     return rows
 
 

@@ -39,6 +39,8 @@ DGXC_TOK_S = [82028, 161443, 322638, 645277, 1275155,                           
               28432, 56134, 111551, 221686, 433296,                                    # 340B
               63099, 124712, 249068, 496191, 988057,                                   # GPT-3 175B
               134752.43, 271581.46, 540537.92, 1075255.78, 2110607.12]                 # MaxText Llama 3 70B
+# OLMo-core's README: tokens/s per device, 1B / 7B / 8B / 13B.
+OLMO_CORE_TOK_S = [55_000, 10_000, 9_500, 4_600]
 
 
 def test_every_held_out_point_is_estimated_with_its_source_and_published_figure():
@@ -47,8 +49,10 @@ def test_every_held_out_point_is_estimated_with_its_source_and_published_figure(
     llama3 = [r for r in rows if r["source"].startswith("Llama 3")]
     mosaic = [r for r in rows if r["source"].startswith("llm-foundry")]
     dgxc = [r for r in rows if r["source"].startswith("NVIDIA DGXC")]
-    assert len(rows) == len(kempner) + len(llama3) + len(mosaic) + len(dgxc) == (
-        len(PUBLISHED) + len(LLAMA3_TFLOPS_MFU) + 70 + len(DGXC_TOK_S))
+    olmo = [r for r in rows if r["source"].startswith("OLMo-core")]
+    assert len(rows) == len(kempner) + len(llama3) + len(mosaic) + len(dgxc) + len(olmo) == (
+        len(PUBLISHED) + len(LLAMA3_TFLOPS_MFU) + 70 + len(DGXC_TOK_S) + len(OLMO_CORE_TOK_S))
+    assert [r["published_value"] for r in olmo] == OLMO_CORE_TOK_S
     assert {r["source"]: r["published_value"] for r in kempner} == PUBLISHED
     assert [(r["published_value"], r["published_mfu"]) for r in llama3] == LLAMA3_TFLOPS_MFU
     assert [r["published_value"] for r in dgxc] == DGXC_TOK_S
@@ -92,11 +96,24 @@ def test_published_figures_are_converted_to_tokens_per_second_per_gpu():
     for r in validation.held_out():
         if r["source"].startswith(("KempnerForge", "NVIDIA DGXC")):  # the job's tok/s over its GPUs
             assert r["measured"] == r["published_value"] / r["job"].world
-        elif r["source"].startswith("llm-foundry"):  # published per GPU
+        elif r["source"].startswith(("llm-foundry", "OLMo-core")):  # published per GPU
             assert r["measured"] == r["published_value"]
         else:  # TFLOP/s per GPU over physics/flops.py's FLOPs per token
             m, s = r["job"].model, r["job"].seq_len
             assert math.isclose(r["measured"] * m.flops_per_token(s), r["published_value"] * 1e12)
+
+
+def test_olmo_core_rows_are_the_published_shapes():
+    # Each script's model is OLMo-core's llama_like: FFN = 256-multiple ceiling of 8/3 d (Llama
+    # 3 8B: 1.3 x that, to a multiple of 1,024), no biases, untied; dolma2's 100,278 words
+    # padded to a multiple of 128. The global batch splits into whole micro-batches over 8 GPUs.
+    for size, commit, script, dim, layers, heads, kv, ffn, mb, batch, tok_s in validation.OLMO_CORE:
+        multiple, scale = (1024, 1.3) if size == "8B" else (256, 1.0)
+        assert ffn == multiple * -(-int(scale * int(8 * dim / 3)) // multiple), size
+        assert batch % (8 * mb) == 0 and len(commit) == 40, size
+    rows = [r for r in validation.held_out() if r["source"].startswith("OLMo-core")]
+    assert [r["job"].model.vocab for r in rows] == [128 * -(-100_278 // 128)] * 4
+    assert all(not r["job"].model.tied and r["job"].compiled and r["layout"].ac == "none" for r in rows)
 
 
 def test_held_out_points_are_not_among_the_calibration_rows():
