@@ -199,7 +199,7 @@ def judge_fit(peak: int, card, cfg, layout, model, world_size: int, gpus_per_nod
                        "traced_pp_rank": pp_rank, "fits": e.memory.total <= usable_bytes(card),
                        "compiled": bool(cfg.compile.enable or cfg.compile.loss)}
     if out["estimate"]["compiled"] and not out["fits"] and out["estimate"]["fits"]:
-        # The trace is of the uncompiled step (see _dry_run); compiled, the blocks and the loss
+        # The trace is of the uncompiled step (traced_step.build_rank); compiled, the blocks and the loss
         # keep less, which the estimate counts (held to an H100's compiled runs within 6%,
         # tests/test_compiled_memory.py).
         out["fits"], out["fits_uncompiled"] = True, False
