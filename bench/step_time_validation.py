@@ -456,8 +456,10 @@ def mosaic_rows(triton_slowdown: float = TRITON_FLASH_SLOWDOWN) -> list[dict]:
         assert batch == mb * accum * gpus
         # llm-foundry's default loss is flash-attn's fused cross-entropy (inplace_backward off):
         # the bf16 logits kept and a bf16 gradient made, as meshtrain's [training] chunked_loss.
+        # Composer 0.16 (llm-foundry v0.3.0's) defaults FSDP1 to backward_prefetch BACKWARD_POST
+        # (composer/trainer/dist_strategy.py) and the benchmarks leave it: backward_prefetch=False.
         job = Job(mpt_model(size, seq), H100, gpus // 8, 8, seq, batch, compiled=False, chunked_loss=True,
-                  attention_efficiency=H100.attention_efficiency / triton_slowdown)
+                  attention_efficiency=H100.attention_efficiency / triton_slowdown, backward_prefetch=False)
         lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=gpus, world_size=gpus, strategy="FULL_SHARD",
                            ac="full" if ac else "none", micro_batch=mb)
         rows.append(dict(source=f"llm-foundry MPT-{size}, {gpus} GPUs, seq {seq:,}", url=MOSAIC_URL,

@@ -218,6 +218,12 @@ class Job:
     # `attention_efficiency` (planning/matmul.py attention_rate). For a run whose kernel is
     # another (the validation's other frameworks).
     attention_efficiency: float = 0.0
+    # Whether a unit's backward all-gather is issued ahead, beside the compute of the unit
+    # before it: FSDP2 always does (meshtrain, torchtitan), as FSDP1's BACKWARD_PRE. False:
+    # FSDP1's BACKWARD_POST (Composer's default), which issues it only once the unit before
+    # has its gradients, so each backward gather waits (planning/step_time.py). For a run of
+    # another framework (the validation's llm-foundry rows).
+    backward_prefetch: bool = True
 
     def __post_init__(self):
         if self.topology is not None:  # one described in Python; the CLI's was checked naming its file

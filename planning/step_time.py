@@ -160,7 +160,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
             other, routed = other + routed, 0.0
         fsdp.append((other + routed, other, routed, largest_unit(m, share, t, ep),
                      fsdp_unit_count(m, share), n_moe, rank_sharded_params(m, share, lay),
-                     float8_gathered(job, share, t)))
+                     float8_gathered(job, share, t), share.layers))
 
     # The slowest pipeline rank sets the pace of every micro-batch.
     worst = max(range(len(shares)), key=lambda r: sum(per_mb[r]))
@@ -188,7 +188,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
     # Under ep the routed experts are FSDP units of their own, over the dp_shard / ep ranks
     # holding the same experts (stride tp x ep).
-    _, local, routed, unit, n_units, n_moe, sharded, f8 = max(fsdp)
+    _, local, routed, unit, n_units, n_moe, sharded, f8, layers = max(fsdp)
     (ds, _), (dr, _) = dp_g, rep_g
     de, ex_g = expert_shard_degree(lay), (expert_shard_degree(lay), t * ep)
     n_ag, n_rs = fsdp_rounds(lay, job)
@@ -243,6 +243,15 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     else:
         edges = n_mb * (first_gather + reduce(unit))
         overlapped = max(0.0, fsdp_time - edges)
+    if not job.backward_prefetch and not keeps_gathered(lay):
+        # FSDP1's BACKWARD_POST: a block's backward gather (FULL_SHARD's beyond each
+        # forward's) is issued after the block behind it has its gradients, when nothing is
+        # left to compute beside it; the reduce-scatter queued after it on the same NCCL
+        # stream still hides behind the next block's backward.
+        block = m.layer_split / t + m.layer_replicated
+        waiting = (n_ag - n_mb) * layers * net.seconds("all-gather", BF16 * block - (BF16 - FLOAT8) * (
+            m.layer_split / t if f8 else 0.0), *dp_g)
+        edges, overlapped = edges + waiting, max(0.0, overlapped - waiting)
     exposed = edges + max(0.0, overlapped - compute)
     # Hiding is not free: while a collective runs it holds collective_sms of the GPU's SMs
     # (planning/hardware.py) and the compute beside it runs on the rest, slowed by that

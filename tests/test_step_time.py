@@ -145,6 +145,28 @@ def test_the_passes_over_the_parameters_cover_what_trains():
     assert times(muon=0.8)["optimizer"] == pytest.approx(0.2 * full["optimizer"], rel=1e-9)
 
 
+def test_fsdp1_backward_post_waits_for_each_blocks_backward_gather():
+    """FSDP1's BACKWARD_POST (Composer's default; torch's docs: "less overlap") issues a
+    unit's backward all-gather from the post-backward hook of the unit behind it, once that
+    one's gradients are done (torch/distributed/fsdp/_runtime_utils.py,
+    _post_backward_reshard): each FULL_SHARD block's backward gather is on the critical
+    path, every micro-batch. SHARD_GRAD_OP gathers nothing in backward, so it is unchanged.
+    Dropping the term, or charging the forward's gathers too, fails this."""
+    from meshtrain.planning.step_time import step_time
+
+    row = next(r for r in validation.mosaic_rows() if r["source"] == "llm-foundry MPT-13b, 64 GPUs, seq 2,048")
+    job, lay = row["job"], row["layout"]
+    assert job.backward_prefetch is False  # as Composer ran it
+    post, pre = step_time(job, lay), step_time(dataclasses.replace(job, backward_prefetch=True), lay)
+    m = job.model
+    block = job.net.seconds("all-gather", 2 * (m.layer_split + m.layer_replicated), lay.dp_shard, 1)
+    from meshtrain.planning.shape import forwards_per_step
+    n_mb = forwards_per_step(job, lay)
+    assert post.times["fsdp"] - pre.times["fsdp"] == pytest.approx(n_mb * m.n_layers * block, rel=1e-9)
+    assert post.fsdp_comm_time == pre.fsdp_comm_time  # the same bytes, less of them hidden
+    zero2 = dataclasses.replace(lay, strategy="SHARD_GRAD_OP")
+    assert step_time(job, zero2).seconds == step_time(dataclasses.replace(job, backward_prefetch=True), zero2).seconds
+
 def test_a_pipeline_keeps_an_fp32_copy_of_each_gradient_across_its_micro_batches():
     """torch's pipeline stage turns gradient sync off until the last micro-batch, so FSDP2
     upcasts each unsharded bf16 gradient to an fp32 copy on the first micro-batch and adds
