@@ -224,6 +224,12 @@ class Job:
     # has its gradients, so each backward gather waits (planning/step_time.py). For a run of
     # another framework (the validation's llm-foundry rows).
     backward_prefetch: bool = True
+    # Context parallelism as Llama 3 ran it (Meta's stack): K and V all-gathered over cp,
+    # each rank's queries attending to the whole sequence, their gradients reduce-scattered;
+    # False: meshtrain's (parallel/context_parallel.py), all-to-alls of q, k, v and the
+    # output. Its time only (planning/step_time.py); the memory planned is meshtrain's.
+    # For a run of another framework (the validation's Llama 3 rows).
+    cp_kv_all_gather: bool = False
 
     def __post_init__(self):
         if self.topology is not None:  # one described in Python; the CLI's was checked naming its file

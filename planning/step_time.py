@@ -126,6 +126,17 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         n_a2a = 2 * share.layers + ckpt
         cp_in = cp_exchange_bytes(m, s, b, t, cp)
         cp_b = n_a2a * cp_in * (cp - 1) / cp
+        cp_mb = 4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g)
+        if job.cp_kv_all_gather and cp > 1:
+            # Llama 3's CP instead: each forward (and a recomputed block's again) all-gathers
+            # the whole sequence's K and V of this TP rank's kv heads; backward
+            # reduce-scatters their gradients. Queries never move.
+            head_dim = m.head_dim or m.dim // m.n_heads
+            kv_full = 2 * BF16 * s * b * max(m.kv_dim / t, head_dim)
+            n_kv_ag, n_kv_rs = share.layers + ckpt, share.layers
+            cp_b = (n_kv_ag + n_kv_rs) * kv_full * (cp - 1) / cp
+            cp_mb = (n_kv_ag * net.seconds("all-gather", kv_full, *cp_g)
+                     + n_kv_rs * net.seconds("reduce-scatter", kv_full, *cp_g))
         # EP, per MoE layer: dispatch and combine forward, their gradients backward, and the
         # forward's two again when the block is recomputed; each all-to-all takes this
         # rank's tokens x top_k copies of dim and keeps 1/ep of them (on average: the mean
@@ -148,7 +159,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                  + copies * 2 * act / gpu.hbm_bandwidth + (net.seconds("all-gather", logits, *tp_g) if logits else 0.0))
         per_mb.append((compute, tp_mb,
                        sends * net.seconds("send/recv", act / t, *pp_g),
-                       4 * n_a2a * net.seconds("all-to-all", cp_in / 4, *cp_g),
+                       cp_mb,
                        n_ep * net.seconds("all-to-all", ep_in * skew, *ep_g)
                        + n_counts * net.seconds("all-to-all", counts, *ep_g)))
         tp_bytes.append(tp_b * n_mb)

@@ -167,6 +167,38 @@ def test_fsdp1_backward_post_waits_for_each_blocks_backward_gather():
     zero2 = dataclasses.replace(lay, strategy="SHARD_GRAD_OP")
     assert step_time(job, zero2).seconds == step_time(dataclasses.replace(job, backward_prefetch=True), zero2).seconds
 
+def test_llama3s_context_parallelism_moves_k_and_v_only():
+    """Meta's CP (Llama 3, section 3.3.2) all-gathers the whole sequence's K and V in each
+    forward, a recomputed block's again, and reduce-scatters their gradients in backward;
+    queries and outputs stay put. With grouped-query attention that is far less than
+    meshtrain's all-to-alls of q, k, v and the output (whose kv heads are repeated when a TP
+    rank's one kv head cannot split over cp 16). Counting q or the output, or leaving out
+    the recomputed block's gathers, fails this."""
+    from meshtrain.planning.shape import forwards_per_step
+    from meshtrain.planning.shares import checkpointed_blocks, rank_shares
+    from meshtrain.planning.step_time import step_time
+
+    row = next(r for r in validation.llama3_rows() if r["layout"].cp == 16)
+    job, lay = row["job"], row["layout"]
+    assert job.cp_kv_all_gather and lay.ac == "full"
+    gathered, ulysses = step_time(job, lay), step_time(dataclasses.replace(job, cp_kv_all_gather=False), lay)
+    m, t, cp = job.model, lay.tp, lay.cp
+    kv = 2 * 2 * job.seq_len * lay.micro_batch * m.kv_dim / t  # k and v, bf16, this TP rank's heads
+    layers = max(sh.layers for sh in rank_shares(job, lay))
+    share = next(sh for sh in rank_shares(job, lay) if sh.layers == layers)
+    ckpt = checkpointed_blocks(share, lay.ac)
+    assert ckpt == layers  # full AC: every block's forward runs twice
+    n_mb = forwards_per_step(job, lay)
+    net = job.net
+    expected = n_mb * ((layers + ckpt) * net.seconds("all-gather", kv, cp, t)
+                       + layers * net.seconds("reduce-scatter", kv, cp, t))
+    assert gathered.times["cp"] == pytest.approx(expected, rel=1e-9)
+    assert gathered.comm_bytes["cp"] == pytest.approx(n_mb * (2 * layers + ckpt) * kv * (cp - 1) / cp, rel=1e-9)
+    # Here the whole sequence's K and V of one kv head are half of what the all-to-alls move
+    # (q and the output at 16 heads, k and v repeated to 16).
+    assert gathered.comm_bytes["cp"] == pytest.approx(ulysses.comm_bytes["cp"] / 2, rel=1e-9)
+    assert gathered.times["cp"] < ulysses.times["cp"]
+
 def test_a_pipeline_keeps_an_fp32_copy_of_each_gradient_across_its_micro_batches():
     """torch's pipeline stage turns gradient sync off until the last micro-batch, so FSDP2
     upcasts each unsharded bf16 gradient to an fp32 copy on the first micro-batch and adds
