@@ -214,7 +214,10 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     ag = (n_ag * blocks_bytes + sum(k * BF16 * p for p, k in ends)) * (ds - 1) / ds  # per step
     # The copies around each gather go by parameters (float8's at the bf16 rates, param_passes).
     copy_ag = (n_ag * (local - once) + sum(k * p for p, k in ends)) / local
-    unit_saved = (BF16 - FLOAT8) * m.layer_split / t if f8 and unit == m.layer_split / t + m.layer_replicated else 0.0
+    # One dense block's parameters on this GPU, and the bytes a float8 gather saves on it.
+    block = m.layer_split / t + m.layer_replicated
+    block_saved = (BF16 - FLOAT8) * m.layer_split / t if f8 else 0.0
+    unit_saved = block_saved if unit == block else 0.0
     rs = FP32 * local * (ds - 1) / ds
     ar = 2 * FP32 * local / ds * (dr - 1) / dr
     ag_e, rs_e = BF16 * routed * (de - 1) / de, FP32 * routed * (de - 1) / de
@@ -259,9 +262,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         # forward's) is issued after the block behind it has its gradients, when nothing is
         # left to compute beside it; the reduce-scatter queued after it on the same NCCL
         # stream still hides behind the next block's backward.
-        block = m.layer_split / t + m.layer_replicated
-        waiting = (n_ag - n_mb) * layers * net.seconds("all-gather", BF16 * block - (BF16 - FLOAT8) * (
-            m.layer_split / t if f8 else 0.0), *dp_g)
+        waiting = (n_ag - n_mb) * layers * net.seconds("all-gather", BF16 * block - block_saved, *dp_g)
         edges, overlapped = edges + waiting, max(0.0, overlapped - waiting)
     exposed = edges + max(0.0, overlapped - compute)
     # Hiding is not free: while a collective runs it holds collective_sms of the GPU's SMs
