@@ -13,7 +13,11 @@
   x sequence = 16K tokens as in the FlashAttention papers, TFLOP/s counted their way
   (4·s²·d per head forward, halved by the mask; backward 2.5x): `attention_efficiency`;
 - memory: GB/s of a device-to-device copy (`hbm_bandwidth`) and of an eager and a
-  compiled RMSNorm forward + backward, in the bytes planning/kernels.py counts for it.
+  compiled RMSNorm forward + backward, in the bytes planning/kernels.py counts for it;
+  and the Llama model's eager rotary (`apply_rope`, one complex multiply) on an 8B
+  block's q and k at 8,192 tokens, forward + backward, as the bytes per element at the
+  measured copy speed that its time is worth: the number planning/kernels.py counts 14
+  of (the hand-rotated pairs the earlier measured runs ran).
 
 Prints one row per measurement and the fractions of the GPU's peak (physics/gpus.py)
 to put in its table, and writes them as JSON. Each is the median of timed repeats after
@@ -94,7 +98,30 @@ def memory(device, dtype, quick: bool, repeats: int) -> dict:
     # planning/kernels.py counts an eager RMSNorm at 40 bytes per element forward and twice
     # that backward: the bandwidth that count implies.
     out["rmsnorm_eager_gbs_as_counted"] = 3 * 40 * t.numel() / out["rmsnorm_eager_s"] / 1e9
+    out.update(rotary(device, dtype, quick, repeats, copy))
     return out
+
+
+def rotary(device, dtype, quick: bool, repeats: int, copy_bytes_per_s: float) -> dict:
+    """The eager rotary of one Llama-3-8B block (q: 32 heads, k: 8, head dim 128, 8,192
+    tokens), forward and backward, and what its time is worth in bytes per element of q
+    and k at the copy speed just measured. planning/kernels.py counts a forward's 14 and
+    a backward twice that (3 x 14 in all); a measured value far from it says to recount."""
+    from meshtrain.models.llama.model import apply_rope, rotary_angles
+
+    seq, head_dim = (128, 16) if quick else (8192, 128)
+    theta = torch.rand(seq, head_dim // 2, device=device) * 6.28
+    angles = rotary_angles(torch.stack((theta.cos(), theta.sin()), dim=-1))  # as the model's table: unit complex
+    q = torch.randn(1, seq, 32, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, seq, 8, head_dim, device=device, dtype=dtype, requires_grad=True)
+    grad_q, grad_k = torch.ones_like(q), torch.ones_like(k)
+
+    def step():
+        torch.autograd.backward((apply_rope(q, angles), apply_rope(k, angles)), (grad_q, grad_k))
+
+    seconds = timed(step, device, repeats)
+    return {"rotary_eager_s": seconds,
+            "rotary_eager_bytes_per_element": seconds * copy_bytes_per_s / (3 * (q.numel() + k.numel()))}
 
 
 def main(argv=None) -> dict:
@@ -119,6 +146,9 @@ def main(argv=None) -> dict:
     for row in result["attention"]:
         print(f"attention seq {row['seq']} (batch {row['batch']}): {row['tflops']:.1f} TFLOP/s")
     print(f"copy: {result['memory']['copy_gbs']:.0f} GB/s")
+    print(f"rotary (eager, forward + backward): {result['memory']['rotary_eager_s'] * 1e3:.2f} ms, "
+          f"{result['memory']['rotary_eager_bytes_per_element']:.1f} bytes per element forward at the copy speed "
+          f"(planning/kernels.py counts 14)")
     if gpu is not None:
         peak = gpu.peak_bf16_flops / 1e12
         result["fractions"] = {"matmul_efficiency": result["matmul"][0]["tflops"] / peak,

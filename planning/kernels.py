@@ -151,7 +151,8 @@ def _bytes_per_token(m, tp: int, compiled: bool) -> float:
     on the sequence-sharded activations (sequence parallel): / tp as well. The rotary count
     is that of the pairs rotated by hand, which the measured eager runs ran; one complex
     multiply now does it (three kernels: upcast, multiply, downcast), not yet timed on a GPU,
-    so the count stays until a device run measures the new one."""
+    so the count stays until a device run measures the new one (bench/kernel_speeds.py's
+    `rotary_eager_bytes_per_element`, which bench/gpu_check.py's kernels section runs)."""
     h, kv, f = m.dim, m.kv_dim, m.ffn_hidden
     rotary = not m.max_positions  # learned positions (GPT-2): no rotary, LayerNorm
     hs, kvs, fs = h / tp, kv / tp, f / tp

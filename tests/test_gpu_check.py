@@ -56,6 +56,8 @@ def test_kernel_speeds_cpu_smoke_run_writes_every_section(tmp_path):
     result = json.loads(out.read_text())
     assert result["matmul"][0]["tflops"] > 0 and result["attention"][0]["tflops"] > 0
     assert result["memory"]["copy_gbs"] > 0 and "rmsnorm_eager_gbs_as_counted" in result["memory"]
+    assert result["memory"]["rotary_eager_s"] > 0 and result["memory"]["rotary_eager_bytes_per_element"] > 0
+    assert "rotary (eager, forward + backward)" in proc.stdout
     assert "attention seq 128" in proc.stdout
     # The planner reads what it writes (planning/matmul.py): not a smoke run's numbers, but
     # the same file as a GPU's run would be.
