@@ -352,7 +352,7 @@ DGXC_SEQ = {"gpt3 175b": 2048, "nemotron4 15b": 4096, "nemotron4 340b": 4096}  #
 # cross-entropy, bf16 logits kept), planned as [training] chunked_loss like llm-foundry's, or,
 # for 1B, `compile_loss`, meshtrain's [compile] loss. Not stated: the
 # node count; the launcher's default is one node of 8 GPUs (`num_nodes=1, num_gpus=8`), taken
-# here (several nodes would run HSDP, replicas across nodes). Not expressed: OLMo 2's q/k norms
+# here (several nodes would run HSDP, replicas across nodes). Not expressed (docs/planning.md bounds them): OLMo 2's q/k norms
 # and its norms after attention and FFN (the 8B row is a plain Llama). Columns: size, commit,
 # script, dim, layers, heads, kv heads, FFN, micro-batch (sequences), global batch (sequences),
 # tok/s per GPU.
