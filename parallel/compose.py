@@ -107,9 +107,17 @@ def parallelize(
 
     if activation_checkpoint != "none" or compile:
         found = _blocks(model, blocks, block_classes)
-        wrapped = apply_ac(found, activation_checkpoint, ac_every, root=model)
-        if compile:
-            wrapped = apply_compile(wrapped, root=model)
+        if compile and tp_mesh is not None and activation_checkpoint in ("full", "selective"):
+            # Compiling a checkpointed block whose recomputation reruns TP's collectives
+            # fails in torch 2.13's AOTAutograd (it saves the DTensors' DeviceMesh among the
+            # tensors for backward; "op" mode, which saves the collectives' outputs, and TP 1
+            # compile fine). So the block is compiled and the compiled block checkpointed:
+            # backward reruns the compiled forward; the same activations are kept.
+            wrapped = apply_ac(apply_compile(found, root=model), activation_checkpoint, ac_every, root=model)
+        else:
+            wrapped = apply_ac(found, activation_checkpoint, ac_every, root=model)
+            if compile:
+                wrapped = apply_compile(wrapped, root=model)
         # FSDP must shard the outermost wrapper: its all-gather then runs once, before
         # the recomputed region, and its hooks stay outside the compiled graph.
         if fsdp_units is not None:

@@ -89,6 +89,10 @@ LAYOUTS = {
     "shard_grad_op4_accum2_sync_step": (dict(dp_shard=4, accum=2, sync="step"), "SHARD_GRAD_OP", {}),
     "hsdp2x2_accum2_sync_step": (dict(dp_replicate=2, dp_shard=2, accum=2, sync="step"), "HYBRID_SHARD", {}),
     "no_shard2_tp2_accum2_sync_step": (dict(dp_shard=2, tp=2, accum=2, sync="step"), "NO_SHARD", {}),
+    # [compile] enable under TP: the blocks compiled (inductor), the first one's input a view
+    # from the embedding's DTensor; and with every block recomputed, TP's collectives again.
+    "compiled_dp2_tp2": (dict(dp_shard=2, tp=2, compile=True), "FULL_SHARD", {}),
+    "compiled_dp2_tp2_ac_full": (dict(dp_shard=2, tp=2, compile=True, ac="full"), "FULL_SHARD", {}),
 }
 NO_SEQUENCE_PARALLEL = {"tp2_no_sp"}
 
@@ -219,14 +223,15 @@ def run(layout: str | None, model_overrides: dict | None = None) -> dict:
     dims, strategy, overrides = LAYOUTS[layout] if layout else ({}, "FULL_SHARD", model_overrides or {})
     dims = dict(dims)
     resume_ep = dims.pop("resume_ep", None)
-    ac = dims.pop("ac", "none")
+    ac, compiled = dims.pop("ac", "none"), dims.pop("compile", False)
     accum, sync = dims.pop("accum", 1), dims.pop("sync", "microbatch")
     model = build(overrides)
     dp_rank, dp_size, dp_mesh, tp_mesh = 0, 1, None, None
     if layout is not None:
         mesh = ParallelDims(**dims).build_mesh()
         model = parallelize(model, mesh, sharding_strategy=strategy, ep=dims.get("ep", 1),
-                            sequence_parallel=layout not in NO_SEQUENCE_PARALLEL, activation_checkpoint=ac)
+                            sequence_parallel=layout not in NO_SEQUENCE_PARALLEL, activation_checkpoint=ac,
+                            compile=compiled)
         dp_mesh, tp_mesh = submesh(mesh, "dp"), submesh(mesh, "tp")
         if dp_mesh is not None:
             dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
