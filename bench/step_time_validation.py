@@ -375,8 +375,9 @@ def kempnerforge_model(size: str) -> ModelShape:
         shape = llama({"7B": "8B", "70B": "70B"}[size])
     # Its TP plan (kempnerforge/distributed/tensor_parallel.py, _build_block_tp_plan) gives q, k,
     # v, gate and up each a ColwiseParallel with its own Shard(1) input: each gathers the
-    # sequence for itself and reduce-scatters its own input gradient, 14 collectives a block
-    # where meshtrain's plan (one prepared input for attention, one for the FFN) makes 8.
+    # sequence for itself and reduces its own input gradient: eager, 14 collectives a block
+    # where meshtrain's plan (one prepared input for attention, one for the FFN) makes 8;
+    # compiled, as its runs are (Job.compiled), the forward's gathers of one input merge: 11.
     return dataclasses.replace(shape, tp_reductions=((5, 2), (0, 0)))
 
 

@@ -109,7 +109,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         # (tp_collectives); each all-gather or reduce-scatter moves (t-1)/t of the activation
         # per GPU, an all-reduce twice that.
         n_gs, n_ar = (tp_collectives(share, ckpt, ckpt_moe, sequence_parallel=job.sequence_parallel,
-                                     shared_experts=m.shared_hidden > 0, reductions=m.tp_reductions)
+                                     shared_experts=m.shared_hidden > 0, reductions=m.tp_reductions,
+                                     compiled=job.compiled)
                       if t > 1 else (0, 0))
         tp_b = (n_gs + 2 * n_ar) * act * (t - 1) / t
         # Without loss_parallel the output layer all-gathers its bf16 logits over the
@@ -147,7 +148,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         n_ep, n_counts = (4 * n_moe + 2 * ckpt_moe, n_moe + ckpt_moe) if ep > 1 else (0, 0)
         ep_b = (n_ep * ep_in + n_counts * counts) * (ep - 1) / ep
         recomputed = share.layers if lay.ac == "op" else ckpt  # op recomputes element-wise work: the copies too
-        copies = (tp_layout_copies(share, recomputed, b, m.tp_reductions) if t > 1 and job.sequence_parallel
+        copies = (tp_layout_copies(share, recomputed, b, m.tp_reductions, job.compiled) if t > 1 and job.sequence_parallel
                   else 0)
         # Only gathers and scatters pipeline into a matmul (async TP needs sequence
         # parallelism); an all-reduce stays whole.
@@ -333,7 +334,7 @@ def overlapped_tp_seconds(collectives: float, matmul: float, tp: int, slowdown: 
 
 
 def tp_collectives(share, recomputed: int, recomputed_moe: int, *, sequence_parallel: bool,
-                   shared_experts: bool, reductions: tuple = ()) -> tuple[int, int]:
+                   shared_experts: bool, reductions: tuple = (), compiled: bool = False) -> tuple[int, int]:
     """(all-gathers + reduce-scatters, all-reduces) of a whole activation that one
     micro-batch's forward and backward run on this rank, as the models' TP plans make them
     (counted on torch: tests/test_step_time.py).
@@ -355,7 +356,14 @@ def tp_collectives(share, recomputed: int, recomputed_moe: int, *, sequence_para
     Shard(1) input) gathers the sequence for each column-split Linear and scatters after
     each row-split one, and the reverse in backward: 2 (column + row) a dense block, 14 for
     Llama's (5, 2), where the native plans' one prepared input makes 8; a recomputed block
-    runs all of its forward's again but the last scatter. The embedding and the output
+    runs all of its forward's again but the last scatter. Compiled (``compiled``), the
+    forward's gathers of one input are one: AOTAutograd's common-subexpression pass
+    (fx_graph_cse, before the partitioner) merges identical functional all-gathers, so q, k
+    and v (w1 and w3) share a gather as under the native plans, 2 a dense block, while
+    backward still reduce-scatters each Linear's own input gradient (c): 11 for (5, 2), a
+    recomputed block 3 more (counted on torch's compiled graphs: tests/test_step_time.py;
+    the recomputation argued, torch 2.13 refusing to compile that checkpointed region under
+    TP, parallel/compose.py). The embedding and the output
     layer: one each way. Not counted: the all-gathers some Hugging Face plans
     add (a fused qkv's output, q/k norms over the whole width), GPT-2's position embedding.
 
@@ -367,14 +375,15 @@ def tp_collectives(share, recomputed: int, recomputed_moe: int, *, sequence_para
     ends, shared = share.first + share.last, int(shared_experts)
     if sequence_parallel:
         c, r = reductions[0] if reductions else (2, 2)
-        return (2 * (c + r) * dense + 6 * moe + 2 * ends + (c + r - 1) * (recomputed - recomputed_moe)
-                + 3 * recomputed_moe), (3 * moe + recomputed_moe) * shared
+        c_forward = min(c, 2) if compiled else c  # one gather for attention's input, one for the FFN's
+        return ((c_forward + r + c + r) * dense + 6 * moe + 2 * ends
+                + (c_forward + r - 1) * (recomputed - recomputed_moe) + 3 * recomputed_moe), (3 * moe + recomputed_moe) * shared
     (col, row), (moe_col, moe_row) = reductions or ((2, 2), (1 + 2 * shared, 1 + shared))
     return 0, (dense * (col + row) + moe * (moe_col + moe_row) + ends
                + (recomputed - recomputed_moe) * (row - 1) + recomputed_moe * moe_row)
 
 
-def tp_layout_copies(share, recomputed: int, micro_batch: int, reductions: tuple = ()) -> int:
+def tp_layout_copies(share, recomputed: int, micro_batch: int, reductions: tuple = (), compiled: bool = False) -> int:
     """Copies of a whole activation around TP's sequence-parallel collectives per micro-batch
     on this rank, each read and written once, on the critical path with the collectives.
     Activations are [batch, seq, dim] and SP shards the sequence (dim 1), but NCCL gathers
@@ -389,12 +398,14 @@ def tp_layout_copies(share, recomputed: int, micro_batch: int, reductions: tuple
     2 reduce-scatter copies fewer. A plan gathering for each column-split Linear
     (``reductions``, tp_collectives) copies around each of its collectives: (column + row)
     of each kind a dense block, a recomputed one row - 1 more scatter and column more
-    gathers. (Megatron-LM keeps activations sequence-first, [seq, batch, dim], and has none
-    of them.)"""
+    gathers; compiled, its forward's gathers merged as tp_collectives says, 2 of them.
+    (Megatron-LM keeps activations sequence-first, [seq, batch, dim], and has none of
+    them.)"""
     ends, moe = share.first + share.last, share.moe_layers
     c, r = reductions[0] if reductions else (2, 2)
+    c_forward = min(c, 2) if compiled else c
     scatters = (c + r) * (share.layers - moe) + 2 * moe + ends + (r - 1) * recomputed
-    gathers = (c + r) * (share.layers - moe) + 4 * moe + ends + c * recomputed
+    gathers = (c_forward + r) * (share.layers - moe) + 4 * moe + ends + c_forward * recomputed
     return scatters + (gathers if micro_batch > 1 else 0)
 
 
