@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from meshtrain.planning.estimate import estimate
+from meshtrain.planning.hardware import default_topology
 from meshtrain.parallel import ParallelDims
 from meshtrain.planning.shape import Job, ModelShape
 from meshtrain.planning.step_time import ASYNC_TP_HIDES
@@ -428,6 +429,19 @@ def held_out() -> list[dict]:
     return kempnerforge_rows() + mosaic_rows() + llama3_rows() + dgxc_rows() + olmo_core_rows()
 
 
+def kempnerforge_node(gpus: int):
+    """The links of the report's nodes ("4x NVIDIA H200 (141 GB) per node, NVLink intra-node")
+    as seen by a job on ``gpus`` of one. Four NVLinked H200s are a 4-GPU board, and 4-GPU
+    boards have no NVSwitch (NVIDIA's HGX datasheets: "NVSwitch: N/A" for 4 GPUs, four for 8;
+    H200 NVL cards are joined by point-to-point bridges too): each GPU's 18 links go 6 to each
+    of its 3 peers. A job on all 4: nvswitch = false. A job on 2 of them reaches its partner
+    over their 6 links, a third of a GPU's NVLink. One GPU: nothing to link."""
+    net = default_topology(H200, gpus)
+    if gpus == 4:
+        return dataclasses.replace(net, nvswitch=False)
+    return dataclasses.replace(net, nvlink_bandwidth=H200.nvlink_bandwidth / 3) if gpus == 2 else None
+
+
 def kempnerforge_rows() -> list[dict]:
     rows = []
     for report, run, gpus, size, tp, fsdp, compiled, tok_s, mfu, mem in KEMPNERFORGE:
@@ -437,7 +451,7 @@ def kempnerforge_rows() -> list[dict]:
         # on them (kempnerforge/distributed/tensor_parallel.py, "gather to Replicate for loss";
         # scripts/train.py, F.cross_entropy): meshtrain's loss_parallel = false.
         job = Job(kempnerforge_model(size), H200, nodes, per_node, 4096, fsdp * b * accum, compiled=compiled,
-                  loss_parallel=False)
+                  loss_parallel=False, topology=kempnerforge_node(per_node))
         lay = ParallelDims(tp=tp, pp=1, dp_replicate=1, dp_shard=fsdp, world_size=gpus, strategy="FULL_SHARD",
                            ac="full", micro_batch=b)
         name = "mfu_scaling" if report == "mfu" else "weak_scaling_160gpu"

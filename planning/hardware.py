@@ -98,6 +98,11 @@ class Topology:
     nvlink_latency: float = 3.4 * US    # per ring step inside a node (NCCL hwLat, NVLink, ring, Simple)
     network_latency: float = 9.6 * US   # per ring step between nodes (NCCL hwLat, NET, ring, Simple)
     collective_sms: int = COLLECTIVE_SMS  # SMs a running collective holds: compute beside it has the rest
+    # The node's GPUs joined through NVSwitches (DGX / HGX 8-GPU): any group inside it sends
+    # at its full NVLink rate. False: linked point to point, each pair by an equal share of
+    # a GPU's links (HGX 4-GPU boards, whose 18 links per GPU go 6 to each of 3 peers): a
+    # group reaches only the links to its own members (`nvlink_share`).
+    nvswitch: bool = True
 
     def __post_init__(self):
         for key in ("gpus_per_node", "nics_per_node"):
@@ -114,6 +119,8 @@ class Topology:
         for key in ("nvlink_latency", "network_latency"):
             if not getattr(self, key) >= 0:
                 raise TopologyError(f"{key} = {getattr(self, key)!r}: must be a latency of at least 0")
+        if not isinstance(self.nvswitch, bool):
+            raise TopologyError(f"nvswitch = {self.nvswitch!r}: must be true or false")
 
     def doubts(self) -> list[str]:
         """Numbers no cluster has, each in one line naming its file key: the estimate
@@ -148,14 +155,24 @@ class Topology:
     def nodes_spanned(self, size: int, stride: int) -> int:
         return math.ceil(size / self.members_per_node(size, stride))
 
+    def nvlink_share(self, local: int) -> float:
+        """Bytes/s a GPU reaches the other ``local`` - 1 members of its group in its node at:
+        its whole NVLink through NVSwitches; linked point to point, only its links to those
+        peers, (local - 1) / (gpus_per_node - 1) of them (NCCL's rings and all-to-alls run
+        over the direct links; routing through a third GPU is not modelled)."""
+        full = self.nvlink_bandwidth * self.link_efficiency
+        if self.nvswitch or local <= 1 or self.gpus_per_node <= 2:
+            return full
+        return full * (local - 1) / (self.gpus_per_node - 1)
+
     def bus_bandwidth(self, size: int, stride: int) -> float:
         """Bytes/s one GPU of the group sends at in a ring (or any exchange whose bytes are
-        spread evenly): NVLink inside a node; across nodes its share of the node's NICs,
-        shared with the node's other groups of the same dimension, at most NVLink."""
-        nvlink = self.nvlink_bandwidth * self.link_efficiency
+        spread evenly): NVLink inside a node (`nvlink_share`); across nodes its share of the
+        node's NICs, shared with the node's other groups of the same dimension, at most NVLink."""
+        local = self.members_per_node(size, stride)
+        nvlink = self.nvlink_share(local)
         if self.nodes_spanned(size, stride) == 1:
             return nvlink
-        local = self.members_per_node(size, stride)
         network = self.nics_per_node * self.nic_bandwidth * self.link_efficiency * local / self.gpus_per_node
         return min(nvlink, network)
 
@@ -203,7 +220,7 @@ class Topology:
         every GPU over the network: all the node's GPUs exchange at once (every one is in a
         group of the dimension), so each gets 1 / gpus_per_node of the node's NICs."""
         local = self.members_per_node(size, stride)
-        nvlink = self.nvlink_bandwidth * self.link_efficiency
+        nvlink = self.nvlink_share(local)
         inside = payload * (local - 1) / size / nvlink
         if local == size:
             return inside
@@ -219,7 +236,8 @@ class Topology:
         return where + ("ring" if kind in ("all-gather", "reduce-scatter", "all-reduce") else kind)
 
     def describe(self) -> str:
-        return (f"{self.gpus_per_node} GPUs per node, NVLink {self.nvlink_bandwidth / 1e9:.0f} GB/s per GPU, "
+        return (f"{self.gpus_per_node} GPUs per node, NVLink {self.nvlink_bandwidth / 1e9:.0f} GB/s per GPU"
+                f"{'' if self.nvswitch else ' (point to point: no NVSwitch)'}, "
                 f"{self.nics_per_node} NICs x {self.nic_bandwidth * 8 / 1e9:.0f} Gb/s per node "
                 f"(x {self.link_efficiency:.0%} reached)")
 
@@ -240,6 +258,7 @@ FILE_KEYS = {
     "nvlink_latency_us": ("nvlink_latency", US, float),
     "network_latency_us": ("network_latency", US, float),
     "collective_sms": ("collective_sms", 1, int),             # SMs a running collective holds
+    "nvswitch": ("nvswitch", 1, bool),                        # false: GPUs linked point to point (HGX 4-GPU)
 }
 
 
@@ -251,6 +270,11 @@ def customized(base: Topology, values: dict, where: str) -> Topology:
         if key not in FILE_KEYS:
             raise TopologyError(f"{where}: unknown key {key!r}; accepted: {', '.join(FILE_KEYS)}")
         name, unit, kind = FILE_KEYS[key]
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise TopologyError(f"{where}: {key} = {value!r} must be true or false")
+            changes[name] = value
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             raise TopologyError(f"{where}: {key} = {value!r} must be a{' whole' if kind is int else ''} number")
         zero_ok = key.endswith("latency_us") or key == "collective_sms"

@@ -193,6 +193,31 @@ def test_a_topology_file_describes_a_cluster_and_the_cli_reports_bad_ones(tmp_pa
         in capsys.readouterr().err
 
 
+def test_a_node_without_nvswitch_gives_a_group_only_the_links_to_its_members(tmp_path):
+    # An HGX 4-GPU board links its GPUs point to point, 6 of each GPU's 18 NVLinks to each
+    # peer: a TP 2 group (or FSDP 2 at stride 2) reaches its partner over a third of the
+    # GPU's NVLink, all 4 together over all of it. Through NVSwitches every group has it all.
+    switched = default_topology(H100, 4)
+    direct = load_topology(_toml(tmp_path, "nvswitch = false"), switched)
+    assert not direct.nvswitch and "point to point" in direct.describe()
+    for size, stride in ((2, 1), (2, 2), (3, 1)):
+        assert direct.bus_bandwidth(size, stride) == pytest.approx(switched.bus_bandwidth(size, stride) * (size - 1) / 3)
+    assert direct.bus_bandwidth(4, 1) == switched.bus_bandwidth(4, 1)
+    payload = 1e9  # a TP 2 all-gather moves its half at a third of the rate: three times the bytes' time
+    bytes_time = lambda net: net.seconds("all-gather", payload, 2) - net.seconds("all-gather", 1.0, 2)
+    assert bytes_time(direct) == pytest.approx(3 * bytes_time(switched), rel=1e-6)
+    # Across nodes (one member a node) the ring never uses NVLink: the same either way.
+    assert direct.bus_bandwidth(2, 4) == switched.bus_bandwidth(2, 4)
+    with pytest.raises(TopologyError, match=r"\[topology\]: nvswitch = 0 must be true or false"):
+        load_topology(_toml(tmp_path, "nvswitch = 0"), switched)
+
+
+def _toml(tmp_path, line: str):
+    path = tmp_path / f"{abs(hash(line))}.toml"
+    path.write_text(f"[topology]\n{line}\n")
+    return path
+
+
 def test_fsdp_traffic_hidden_behind_compute_slows_it_by_the_sms_nccl_holds():
     # 8B at TP 1 over two nodes, FULL_SHARD, two micro-batches: the blocks' gathers and
     # reductions run beside compute. While one runs, NCCL holds collective_sms of the 132
