@@ -92,23 +92,24 @@ def apply_compile(blocks, *, root: nn.Module | None = None, backend="inductor") 
     out = []
     for parent, name, block in block_slots(blocks, root):
         block = torch.compile(block, fullgraph=True, backend=backend)
-        block.register_forward_pre_hook(_inputs_not_detached_views)
+        block.register_forward_pre_hook(_inputs_not_detached_views, with_kwargs=True)
         setattr(parent, name, block)
         out.append(block)
     return out
 
 
-def _inputs_not_detached_views(module, args):
+def _inputs_not_detached_views(module, args, kwargs):
     """The block's inputs, each that is a view of a tensor outside autograd copied. Under TP
     the first block's input is such a view: `DTensor.to_local()` of the embedding's output
     is a view of the local shard, which itself does not require grad. AOTAutograd (torch
     2.13) replays an input view from its base, so the gradient never reaches the
-    embedding: it trained not at all, with no error. One copy of one activation a step."""
+    embedding: it trained not at all, with no error. One copy of one activation a forward."""
     detached_view = lambda x: (isinstance(x, torch.Tensor) and x.requires_grad and x._base is not None
                                and not x._base.requires_grad)
-    if not any(map(detached_view, args)):
+    if not any(map(detached_view, (*args, *kwargs.values()))):
         return None
-    return tuple(x.clone() if detached_view(x) else x for x in args)
+    copied = lambda x: x.clone() if detached_view(x) else x
+    return tuple(map(copied, args)), {key: copied(x) for key, x in kwargs.items()}
 
 
 def block_slots(blocks, root: nn.Module | None = None) -> list[tuple[nn.Module, str, nn.Module]]:

@@ -374,13 +374,20 @@ def tp_collectives(share, recomputed: int, recomputed_moe: int, *, sequence_para
     moe, dense = share.moe_layers, share.layers - share.moe_layers
     ends, shared = share.first + share.last, int(shared_experts)
     if sequence_parallel:
-        c, r = reductions[0] if reductions else (2, 2)
-        c_forward = min(c, 2) if compiled else c  # one gather for attention's input, one for the FFN's
+        c, r, c_forward = dense_block_linears(reductions, compiled)
         return ((c_forward + r + c + r) * dense + 6 * moe + 2 * ends
                 + (c_forward + r - 1) * (recomputed - recomputed_moe) + 3 * recomputed_moe), (3 * moe + recomputed_moe) * shared
     (col, row), (moe_col, moe_row) = reductions or ((2, 2), (1 + 2 * shared, 1 + shared))
     return 0, (dense * (col + row) + moe * (moe_col + moe_row) + ends
                + (recomputed - recomputed_moe) * (row - 1) + recomputed_moe * moe_row)
+
+
+def dense_block_linears(reductions: tuple, compiled: bool) -> tuple[int, int, int]:
+    """(column-split Linears reducing alone, row-split ones, the forward's sequence gathers)
+    of a dense block's TP plan: the native plans' (2, 2), or ``reductions``' first pair. Compiled,
+    the gathers of one input merge (tp_collectives): one for attention's, one for the FFN's."""
+    c, r = reductions[0] if reductions else (2, 2)
+    return c, r, (min(c, 2) if compiled else c)
 
 
 def tp_layout_copies(share, recomputed: int, micro_batch: int, reductions: tuple = (), compiled: bool = False) -> int:
@@ -402,8 +409,7 @@ def tp_layout_copies(share, recomputed: int, micro_batch: int, reductions: tuple
     (Megatron-LM keeps activations sequence-first, [seq, batch, dim], and has none of
     them.)"""
     ends, moe = share.first + share.last, share.moe_layers
-    c, r = reductions[0] if reductions else (2, 2)
-    c_forward = min(c, 2) if compiled else c
+    c, r, c_forward = dense_block_linears(reductions, compiled)
     scatters = (c + r) * (share.layers - moe) + 2 * moe + ends + (r - 1) * recomputed
     gathers = (c_forward + r) * (share.layers - moe) + 4 * moe + ends + c_forward * recomputed
     return scatters + (gathers if micro_batch > 1 else 0)
