@@ -75,6 +75,14 @@ LOSS_BYTES = 36
 # sum (4); backward: the upcast (6), subtract and exp (16), the scale (8), the bf16
 # gradient (4 + 2). Under loss_parallel its two small all-reduces per chunk are not counted.
 LOSS_BYTES_CHUNKED = 66
+# [compile] loss (training/step.py): inductor fuses the upcast into the softmax's reductions
+# and the whole backward into one kernel. Forward: the row's max (2) and its sum of exps (2),
+# each a pass over the bf16 logits; backward: the logits read (2) and their bf16 gradient
+# written (2). Counted on inductor's own fused kernels (tests/test_chunked_loss.py). On an H100
+# (bench/results/2026-11-28_h100_float8_accum8_kernels_loss.json, 8,192 tokens x 128,256
+# words) it ran in 3.1 ms against the 2.8 these bytes give at hbm_bandwidth; the default,
+# 18.0 ms against 12.6; the chunked one, 29.8 against 23.1.
+LOSS_BYTES_COMPILED = 8
 
 
 def load_attention_table(path: Path) -> tuple[str, tuple[tuple[int, float], ...]] | None:
@@ -207,16 +215,22 @@ def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recomput
                    memory=mem * k_mem / gpu.hbm_bandwidth)
 
 
-def head_seconds(m, *, tokens: float, tp: int, gpu, chunked_loss: bool = False, loss_parallel: bool = True) -> Seconds:
+def head_seconds(m, *, tokens: float, tp: int, gpu, chunked_loss: bool = False, compiled_loss: bool = False,
+                 loss_parallel: bool = True) -> Seconds:
     """The output layer's matmul (tokens x dim @ dim x vocab / tp, at its shape) and the fp32
-    cross-entropy over this GPU's vocabulary (``chunked_loss``: training/chunked_loss.py's):
-    its vocab shard under loss_parallel, else the whole vocabulary, gathered."""
+    cross-entropy over this GPU's vocabulary (``chunked_loss``: training/chunked_loss.py's;
+    ``compiled_loss``: the default one compiled): its vocab shard under loss_parallel, else
+    the whole vocabulary, gathered."""
     out = (m.head_split if m.head_split else m.embedding) / tp
     fwd, bwd = linear_seconds(round(tokens), m.dim, round(out / m.dim), gpu)
     vocab = m.vocab / (tp if loss_parallel else 1)
     return Seconds(matmul=fwd + bwd,
-                   memory=(LOSS_BYTES_CHUNKED if chunked_loss else LOSS_BYTES) * vocab * tokens
-                   / gpu.hbm_bandwidth)
+                   memory=loss_bytes(chunked_loss, compiled_loss) * vocab * tokens / gpu.hbm_bandwidth)
+
+
+def loss_bytes(chunked: bool, compiled: bool) -> int:
+    """Bytes the cross-entropy moves per logit, forward and backward (the constants above)."""
+    return LOSS_BYTES_CHUNKED if chunked else LOSS_BYTES_COMPILED if compiled else LOSS_BYTES
 
 
 def expert_seconds(m, *, copies: float, gpu, recompute: str, compiled: bool = False) -> Seconds:

@@ -4,6 +4,7 @@ tracker, the refusal next to [compile] loss, and the planner and dry run countin
 Every layout trains with it like plain PyTorch: tests/test_parity.py (chunked_loss_*)."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from meshtrain.parallel import ParallelDims
 from meshtrain.training.chunked_loss import chunked_cross_entropy
 from meshtrain.training.config import ConfigError
 from meshtrain.training.config_loader import load_config
+from meshtrain.training.step import loss_function
 
 
 def logits_and_labels(tokens=37, vocab=101, dtype=torch.float32, seed=0):
@@ -140,6 +142,43 @@ def test_the_planners_loss_traffic_is_what_the_two_losses_run():
     shape, gpu = resolve_model("8B"), get_gpu("h100-80gb")
     t = {c: kernels.head_seconds(shape, tokens=8192, tp=1, gpu=gpu, chunked_loss=c).memory for c in (False, True)}
     assert t[True] / t[False] == pytest.approx(kernels.LOSS_BYTES_CHUNKED / kernels.LOSS_BYTES)
+
+
+def compiled_logit_traffic(tokens=512, vocab=4096) -> float:
+    """Bytes per logit the compiled loss's kernels read and write, as inductor's scheduler
+    sizes each fused kernel's buffers (its own estimate of a kernel's memory traffic), summed
+    over the forward's and the backward's kernels; inductor compiles them here for the CPU."""
+    from torch._inductor import config, scheduler
+
+    sizes, codegen = [], scheduler.Scheduler.codegen
+
+    def counting(self):
+        sizes.extend(node.get_read_write_buffers_sizes() for node in self.nodes)
+        return codegen(self)
+
+    torch._dynamo.reset()
+    labels = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(1, tokens, vocab, dtype=torch.bfloat16).requires_grad_()
+    with mock.patch.object(scheduler.Scheduler, "codegen", counting), config.patch(force_disable_caches=True):
+        loss = loss_function(compiled=True)(logits, labels)
+        grad, = torch.autograd.grad(loss, logits)
+    torch._dynamo.reset()
+    plain = F.cross_entropy(logits.detach().flatten(0, 1).float(), labels.flatten(0, 1))
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-6) and grad.shape == logits.shape
+    return sum(sizes) / logits.numel()
+
+
+@pytest.mark.slow  # inductor compiles a forward and a backward: some 20 s on 2 cores
+def test_the_planners_compiled_loss_traffic_is_what_inductor_generates():
+    """[compile] loss: inductor fuses the fp32 upcast into the softmax's two passes and the
+    backward into one kernel, 8 bytes a logit where the eager loss moves 36; the step time's
+    loss term counts what its kernels move (the rest per token, under a byte a logit here)."""
+    compiled = compiled_logit_traffic()
+    print(f"bytes moved per logit: compiled cross-entropy {compiled:.3f}")
+    assert round(compiled) == kernels.LOSS_BYTES_COMPILED
+    shape, gpu = resolve_model("8B"), get_gpu("h100-80gb")
+    t = {c: kernels.head_seconds(shape, tokens=8192, tp=1, gpu=gpu, compiled_loss=c).memory for c in (False, True)}
+    assert t[True] / t[False] == pytest.approx(kernels.LOSS_BYTES_COMPILED / kernels.LOSS_BYTES)
 
 
 def test_chunked_loss_with_compile_loss_is_refused_naming_both_keys(tmp_path):
