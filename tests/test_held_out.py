@@ -7,6 +7,9 @@ import importlib.util
 import math
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("step_time_validation", ROOT / "bench/step_time_validation.py")
 validation = importlib.util.module_from_spec(_spec)
@@ -138,3 +141,32 @@ def test_the_docs_error_tables_are_the_scripts_current_output():
     shorter = validation.with_tables(doc, [validation.calibration_table(calibration[:-1]),
                                            validation.held_out_table(held)], marked)
     assert len(shorter.split("\n")) == len(doc.split("\n")) - 1
+
+
+def test_the_sources_losses_are_planned_at_what_their_torch_ops_move():
+    """Around their fused cross-entropy kernels (whose loads and stores are read off their code)
+    the sources run torch ops over the logits, counted here as planning/kernels.py counts
+    meshtrain's losses: Composer's train metrics after each micro-batch's backward, an fp32
+    cross-entropy each under bf16 autocast, forward only; OLMo-core's cut of the last position,
+    a copy unless a micro-batch is one sequence, and its backward."""
+    from tests.test_chunked_loss import LogitTraffic
+
+    tokens, vocab = 512, 4096
+    big = tokens * vocab // 8
+    logits = torch.randn(1, tokens, vocab, dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
+    with LogitTraffic(big) as metric, torch.no_grad():
+        F.cross_entropy(logits[0].float(), labels, reduction="sum")
+    assert metric.bytes / logits.numel() == validation.METRIC_BYTES
+    assert validation.MOSAIC_LOSS_BYTES == validation.XENTROPY_BYTES + 2 * validation.METRIC_BYTES
+    for micro_batch in (1, 2):
+        x = torch.randn(micro_batch, tokens, vocab, dtype=torch.bfloat16).requires_grad_()
+        upstream = torch.ones(micro_batch, tokens - 1, vocab, dtype=torch.bfloat16)  # the loss's gradient
+        with LogitTraffic(big) as cut:
+            kept = x[..., :-1, :].contiguous()
+            torch.autograd.grad(kept, x, upstream)
+        assert round(cut.bytes / x.numel()) == validation.olmo_core_loss_bytes(0, micro_batch)
+    mosaic = validation.mosaic_rows()
+    assert all(r["job"].loss_bytes == validation.MOSAIC_LOSS_BYTES for r in mosaic)
+    olmo = validation.olmo_core_rows()
+    assert [r["job"].loss_bytes for r in olmo] == [16, 14, 14, 10]  # 1B compiled (8), the others' kernel (6); 13B one sequence
