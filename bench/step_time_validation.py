@@ -163,6 +163,11 @@ XENTROPY_BYTES, TRITON_CE_BYTES = 8, 6
 # log_softmax (4 + 4), forward only: 14 each (tests/test_held_out.py counts them).
 METRIC_BYTES = 14
 MOSAIC_LOSS_BYTES = XENTROPY_BYTES + 2 * METRIC_BYTES
+# KempnerForge's loss is F.cross_entropy on the model's bf16 logits, no upcast (scripts/train.py
+# at the reports' commits; FSDP2's param_dtype bf16, no output_dtype): log_softmax reads and
+# writes bf16 (2 + 2), nll's backward writes a zero gradient (2), log_softmax's backward reads
+# it and its output and writes the gradient (2 + 2 + 2): 12, where meshtrain's fp32 one moves 36.
+KEMPNERFORGE_LOSS_BYTES = 12
 
 
 def olmo_core_loss_bytes(kernel: int, micro_batch: int) -> int:
@@ -479,7 +484,7 @@ def kempnerforge_rows() -> list[dict]:
         # on them (kempnerforge/distributed/tensor_parallel.py, "gather to Replicate for loss";
         # scripts/train.py, F.cross_entropy): meshtrain's loss_parallel = false.
         job = Job(kempnerforge_model(size), H200, nodes, per_node, 4096, fsdp * b * accum, compiled=compiled,
-                  loss_parallel=False, topology=kempnerforge_node(per_node))
+                  loss_parallel=False, loss_bytes=KEMPNERFORGE_LOSS_BYTES, topology=kempnerforge_node(per_node))
         lay = ParallelDims(tp=tp, pp=1, dp_replicate=1, dp_shard=fsdp, world_size=gpus, strategy="FULL_SHARD",
                            ac="full", micro_batch=b)
         name = "mfu_scaling" if report == "mfu" else "weak_scaling_160gpu"

@@ -159,6 +159,11 @@ def test_the_sources_losses_are_planned_at_what_their_torch_ops_move():
         F.cross_entropy(logits[0].float(), labels, reduction="sum")
     assert metric.bytes / logits.numel() == validation.METRIC_BYTES
     assert validation.MOSAIC_LOSS_BYTES == validation.XENTROPY_BYTES + 2 * validation.METRIC_BYTES
+    x = logits[0].clone().requires_grad_()
+    with LogitTraffic(big) as kempnerforge:  # its loss: the bf16 logits as they are
+        torch.autograd.grad(F.cross_entropy(x, labels, ignore_index=-100), x)
+    assert kempnerforge.bytes / x.numel() == validation.KEMPNERFORGE_LOSS_BYTES
+    assert all(r["job"].loss_bytes == 12 for r in validation.kempnerforge_rows())
     for micro_batch in (1, 2):
         x = torch.randn(micro_batch, tokens, vocab, dtype=torch.bfloat16).requires_grad_()
         upstream = torch.ones(micro_batch, tokens - 1, vocab, dtype=torch.bfloat16)  # the loss's gradient
