@@ -39,6 +39,7 @@ process per core (`trace_probes`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +201,18 @@ def compiled_blocks(key: ProbeKey) -> dict[int, float]:
     to its backward when compiled, by the block's index: the storages its compiled forward
     saves for backward (not the parameters', not its input's, which the block before keeps)
     and its output, once each."""
+    # torch warns that a checkpoint's context_fn is traced under torch.compile (AC "op"): about
+    # meshtrain's own blocks, which this traces on purpose; noise in a plan's output.
+    quiet = logging.getLogger("torch._higher_order_ops.wrap")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return _compiled_blocks(key)
+    finally:
+        quiet.setLevel(level)
+
+
+def _compiled_blocks(key: ProbeKey) -> dict[int, float]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
 

@@ -104,6 +104,10 @@ def parse_args(argv):
     p.add_argument("--chunked-loss", action="store_true",
                    help="plan for [training] chunked_loss = true: the loss keeps the bf16 logits and no fp32 "
                         "copy of them (4 bytes per logit at its peak instead of 12)")
+    p.add_argument("--compile", action="store_true",
+                   help="plan for [compile] enable = true and loss = true: each block compiled (its element-wise "
+                        "chains fused; it keeps what inductor's partitioner saves) and the loss compiled (the bf16 "
+                        "logits kept, 8 bytes a logit moved); --write writes both keys")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--write", metavar="PATH.toml", help="write the best layout as a train.py config")
     p.add_argument("--verify", type=int, default=0, metavar="K",
@@ -171,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.moe_imbalance < float("inf"):
         raise PlanError(f"--moe-imbalance {args.moe_imbalance}: the busiest rank receives at least the mean; "
                         "use a number >= 1")
+    if args.compile and args.chunked_loss:
+        raise PlanError("--compile with --chunked-loss: train.py refuses [compile] loss = true with [training] "
+                        "chunked_loss = true (both keep only the bf16 logits); use one of them")
     job = Job(resolve_model(args.model, **dims), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
               topology=net, moe_imbalance=args.moe_imbalance, chunked_loss=args.chunked_loss,
+              compiled=args.compile, compiled_loss=args.compile,
               attention_efficiency=args.attention_efficiency or 0.0, tp_overlap=args.tp_overlap)
     if job.model.max_positions and args.seq_len > job.model.max_positions:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                if dims else "")
     print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
-          f"sequences{', chunked loss' if job.chunked_loss else ''}"
+          f"sequences{', chunked loss' if job.chunked_loss else ''}{', compiled blocks and loss' if job.compiled else ''}"
           f"{f', TP inside the matmuls ({job.tp_overlap:.0%} of what can hide, --tp-overlap)' if job.tp_overlap else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s "
           f"bf16: {matmul_speeds(gpu)}, {attention_speed(gpu, job.seq_len, job.attention_efficiency)}, "
           f"memory-bound work at {gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "

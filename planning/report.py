@@ -119,4 +119,5 @@ def to_toml(e, job: Job, name: str, command: str) -> str:
           if lay.pp == 1 and lay.reduces_once else []),
         "sequence_parallel = true", "loss_parallel = true", "",
         "[activation_checkpoint]", f'mode = "{lay.ac}"', "selective_every = 2", "",
+        *(["[compile]", "enable = true", "loss = true", ""] if job.compiled else []),
         *(["[optimizer]", 'name = "Muon"', f"ns_steps = {job.ns_steps}", ""] if job.muon_shapes else [])])

@@ -382,6 +382,33 @@ def test_cli_errors_exit_2_without_a_traceback(args, message, capsys):
     assert err.startswith("meshtrain: error: ") and message in err
 
 
+def test_compile_with_the_chunked_loss_is_refused_as_train_py_refuses_the_pair(capsys):
+    argv = ["--model", "8B", "--nodes", "1", "--seq-len", "8192", "--global-batch", "16", "--compile", "--chunked-loss"]
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtrain: error: --compile with --chunked-loss") and "[compile] loss = true" in err
+
+
+@pytest.mark.slow
+def test_a_compiled_plan_writes_the_compile_keys_and_its_config_estimates_the_same(tmp_path):
+    """--compile plans compiled blocks and a compiled loss; the config --write writes says so
+    ([compile] enable and loss), so the estimate of that config is the plan's own."""
+    from meshtrain.planning.estimate import estimate_config
+
+    job = Job(resolve_model("1B"), H100, nodes=1, gpus_per_node=8, seq_len=4096, global_batch=64,
+              compiled=True, compiled_loss=True)
+    best = plan(job)[0][0]
+    eager = estimate(dataclasses.replace(job, compiled=False, compiled_loss=False), best.layout)
+    assert best.tokens_per_s_per_gpu > 1.05 * eager.tokens_per_s_per_gpu
+    path = tmp_path / "compiled.toml"
+    path.write_text(to_toml(best, job, path.stem, "meshtrain plan ... --compile"))
+    cfg = load_config(path, ["--job.device=cpu"])
+    assert cfg.compile.enable and cfg.compile.loss
+    again = estimate_config(cfg, 8, 8, H100)
+    assert again.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
+    assert again.memory.total == pytest.approx(best.memory.total, rel=1e-9)
+
+
 @pytest.mark.slow
 def test_cli_error_from_a_subprocess():
     proc = _cli("--model", "8B", "--nodes", "0", "--seq-len", "8192", "--global-batch", "16")
