@@ -215,23 +215,25 @@ def block_seconds(m, *, tokens: float, seq: int, tp: int, cp: int, gpu, recomput
                    memory=mem * k_mem / gpu.hbm_bandwidth)
 
 
-def head_seconds(m, *, tokens: float, tp: int, gpu, chunked_loss: bool = False, compiled_loss: bool = False,
-                 loss_bytes: float | None = None, loss_parallel: bool = True) -> Seconds:
-    """The output layer's matmul (tokens x dim @ dim x vocab / tp, at its shape) and the fp32
-    cross-entropy over this GPU's vocabulary (``chunked_loss``: training/chunked_loss.py's;
-    ``compiled_loss``: the default one compiled; ``loss_bytes``: a loss moving that many bytes
-    a logit): its vocab shard under loss_parallel, else the whole vocabulary, gathered."""
+def head_seconds(m, *, tokens: float, tp: int, gpu, loss_bytes: float = LOSS_BYTES,
+                 loss_parallel: bool = True) -> Seconds:
+    """The output layer's matmul (tokens x dim @ dim x vocab / tp, at its shape) and the
+    cross-entropy over this GPU's vocabulary, moving ``loss_bytes`` a logit
+    (`loss_bytes_per_logit`): its vocab shard under loss_parallel, else the whole vocabulary,
+    gathered."""
     out = (m.head_split if m.head_split else m.embedding) / tp
     fwd, bwd = linear_seconds(round(tokens), m.dim, round(out / m.dim), gpu)
     vocab = m.vocab / (tp if loss_parallel else 1)
-    return Seconds(matmul=fwd + bwd,
-                   memory=(loss_bytes if loss_bytes is not None else bytes_per_logit(chunked_loss, compiled_loss))
-                   * vocab * tokens / gpu.hbm_bandwidth)
+    return Seconds(matmul=fwd + bwd, memory=loss_bytes * vocab * tokens / gpu.hbm_bandwidth)
 
 
-def bytes_per_logit(chunked: bool, compiled: bool) -> int:
-    """Bytes the cross-entropy moves per logit, forward and backward (the constants above)."""
-    return LOSS_BYTES_CHUNKED if chunked else LOSS_BYTES_COMPILED if compiled else LOSS_BYTES
+def loss_bytes_per_logit(job) -> float:
+    """Bytes a job's cross-entropy moves per logit, forward and backward: ``job.loss_bytes``
+    where set (another framework's loss), else [training] chunked_loss's, [compile] loss's or
+    the default's (the constants above)."""
+    if job.loss_bytes is not None:
+        return job.loss_bytes
+    return LOSS_BYTES_CHUNKED if job.chunked_loss else LOSS_BYTES_COMPILED if job.compiled_loss else LOSS_BYTES
 
 
 def expert_seconds(m, *, copies: float, gpu, recompute: str, compiled: bool = False) -> Seconds:

@@ -16,7 +16,7 @@ from meshtrain.parallel.context_parallel import kv_repeats
 from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning import muon, param_passes
-from meshtrain.planning.kernels import block_seconds, expert_seconds, head_seconds
+from meshtrain.planning.kernels import block_seconds, expert_seconds, head_seconds, loss_bytes_per_logit
 from meshtrain.planning.memory import (BF16, FP32, expert_shard_degree, largest_unit, rank_params,
                                        rank_sharded_params)
 from meshtrain.planning.schedule import makespan
@@ -101,8 +101,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         else:
             tp_matmul = seconds.matmul
         if share.last:
-            seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu, chunked_loss=job.chunked_loss,
-                                             compiled_loss=job.compiled_loss, loss_bytes=job.loss_bytes,
+            seconds = seconds + head_seconds(m, tokens=tokens, tp=t, gpu=gpu, loss_bytes=loss_bytes_per_logit(job),
                                              loss_parallel=job.loss_parallel)
         compute = seconds.total
         parts.append(seconds)

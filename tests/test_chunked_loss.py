@@ -140,7 +140,9 @@ def test_the_planners_loss_traffic_is_what_the_two_losses_run():
     assert plain == kernels.LOSS_BYTES
     assert chunked == kernels.LOSS_BYTES_CHUNKED
     shape, gpu = resolve_model("8B"), get_gpu("h100-80gb")
-    t = {c: kernels.head_seconds(shape, tokens=8192, tp=1, gpu=gpu, chunked_loss=c).memory for c in (False, True)}
+    loss = lambda **flags: kernels.loss_bytes_per_logit(Job(shape, gpu, 1, 1, 8192, 1, **flags))
+    t = {c: kernels.head_seconds(shape, tokens=8192, tp=1, gpu=gpu, loss_bytes=loss(chunked_loss=c)).memory
+         for c in (False, True)}
     assert t[True] / t[False] == pytest.approx(kernels.LOSS_BYTES_CHUNKED / kernels.LOSS_BYTES)
 
 
@@ -177,7 +179,9 @@ def test_the_planners_compiled_loss_traffic_is_what_inductor_generates():
     print(f"bytes moved per logit: compiled cross-entropy {compiled:.3f}")
     assert round(compiled) == kernels.LOSS_BYTES_COMPILED
     shape, gpu = resolve_model("8B"), get_gpu("h100-80gb")
-    t = {c: kernels.head_seconds(shape, tokens=8192, tp=1, gpu=gpu, compiled_loss=c).memory for c in (False, True)}
+    loss = lambda **flags: kernels.loss_bytes_per_logit(Job(shape, gpu, 1, 1, 8192, 1, **flags))
+    t = {c: kernels.head_seconds(shape, tokens=8192, tp=1, gpu=gpu, loss_bytes=loss(compiled_loss=c)).memory
+         for c in (False, True)}
     assert t[True] / t[False] == pytest.approx(kernels.LOSS_BYTES_COMPILED / kernels.LOSS_BYTES)
 
 

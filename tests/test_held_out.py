@@ -163,7 +163,7 @@ def test_the_sources_losses_are_planned_at_what_their_torch_ops_move():
     with LogitTraffic(big) as kempnerforge:  # its loss: the bf16 logits as they are
         torch.autograd.grad(F.cross_entropy(x, labels, ignore_index=-100), x)
     assert kempnerforge.bytes / x.numel() == validation.KEMPNERFORGE_LOSS_BYTES
-    assert all(r["job"].loss_bytes == 12 for r in validation.kempnerforge_rows())
+    assert all(r["job"].loss_bytes == validation.KEMPNERFORGE_LOSS_BYTES for r in validation.kempnerforge_rows())
     for micro_batch in (1, 2):
         x = torch.randn(micro_batch, tokens, vocab, dtype=torch.bfloat16).requires_grad_()
         upstream = torch.ones(micro_batch, tokens - 1, vocab, dtype=torch.bfloat16)  # the loss's gradient
