@@ -128,6 +128,7 @@ def planner_job(cfg, layout: ParallelDims, model, world_size: int, gpus_per_node
                # Hugging Face models' TP plans never apply sequence parallelism (models/hf/model.py)
                sequence_parallel=cfg.parallelism.sequence_parallel and cfg.model.name != "hf",
                loss_parallel=cfg.parallelism.loss_parallel,
+               reduce_dtype=cfg.training.mixed_precision_reduce,
                topology=dataclasses.replace(topology, gpus_per_node=per_node) if topology else None)
 
 
@@ -144,14 +145,14 @@ def estimate_config(cfg, world_size: int, gpus_per_node: int, gpu, topology=None
 
 
 def precision_warnings(cfg) -> list[str]:
-    """The formulas time and count a step in bf16 with fp32 reductions (what the large
-    configs set); a config that trains in other dtypes is estimated as if it did."""
+    """The formulas time and count a step with bf16 matmuls and gathers (what the large
+    configs set); a config that computes in another dtype is estimated as if it did. The
+    reduce dtype, fp32 or bf16, is planned as set (Job.reduce_dtype)."""
     t = cfg.training
-    if (t.mixed_precision_param, t.mixed_precision_reduce) == ("bfloat16", "float32"):
+    if t.mixed_precision_param == "bfloat16":
         return []
-    return [f'[training] mixed_precision_param = "{t.mixed_precision_param}", mixed_precision_reduce = '
-            f'"{t.mixed_precision_reduce}": the estimate assumes "bfloat16" and "float32" (bf16 matmuls and '
-            f'gathers, fp32 reductions), so its compute, traffic and memory are not this config\'s']
+    return [f'[training] mixed_precision_param = "{t.mixed_precision_param}": the estimate assumes "bfloat16" '
+            f'(bf16 matmuls, activations and gathers), so its compute, traffic and memory are not this config\'s']
 
 
 def as_dict(e: Estimate, gpu) -> dict:

@@ -150,7 +150,7 @@ class Memory:
         return self.params + self.grads + self.optimizer + self.activations + self.transient
 
 
-def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float:
+def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims, red: int = FP32) -> float:
     """FSDP2's unsharded state at the peak.
     No pipeline, FULL_SHARD / HYBRID_SHARD: two units gathered in bf16 (the one running and
       the one prefetched) and, in backward, one unit's bf16 gradient with its fp32 copy for
@@ -161,13 +161,15 @@ def transient_bytes(m: ModelShape, share: RankShare, lay: ParallelDims) -> float
       gradient sync until the step's last backward, so the whole stage stays gathered (bf16)
       and its gradients accumulate unsharded in the fp32 reduce dtype until the one
       reduce-scatter per step: 2 + 4 bytes per local param, plus one unit's bf16 gradient.
-      gradient_sync = "step" without a pipeline does the same (parallel/fsdp.py hold_gradients)."""
+      gradient_sync = "step" without a pipeline does the same (parallel/fsdp.py hold_gradients).
+    ``red``: the reduce dtype's bytes (Job.reduce_bytes), each 4 above that is its (the
+      reduce-scatter's input, the held sums) 2 under a bf16 reduction."""
     local, unit = rank_local_params(m, share, lay.tp, lay.ep), largest_unit(m, share, lay.tp, lay.ep)
     if lay.reduces_once:
-        return (BF16 + FP32) * local + BF16 * unit
+        return (BF16 + red) * local + BF16 * unit
     if keeps_gathered(lay):  # ZeRO-2 (and NO_SHARD): kept gathered from forward to backward
-        return BF16 * local + (BF16 + FP32) * unit
-    return (2 * BF16 + BF16 + FP32) * unit
+        return BF16 * local + (BF16 + red) * unit
+    return (2 * BF16 + BF16 + red) * unit
 
 
 def probe_of(job: Job, lay: ParallelDims) -> ProbeKey | None:
@@ -193,7 +195,7 @@ def memory_per_gpu(job: Job, lay: ParallelDims) -> Memory:
         else:
             mem = Memory(pp_rank=r, **fsdp2_model_states(rank_sharded_params(job.model, share, lay), 1))
             mem.grads, mem.optimizer = mem.grads * job.trainable, mem.optimizer * job.trainable  # LoRA: frozen base
-            mem.activations, mem.transient = formula_activations(job, lay, share), transient_bytes(job.model, share, lay)
+            mem.activations, mem.transient = formula_activations(job, lay, share), transient_bytes(job.model, share, lay, job.reduce_bytes)
         if worst is None or mem.total > worst.total:
             worst = mem
     return worst
@@ -231,7 +233,7 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
     # With [lora] (job.trainable < 1) only the adapters have gradients and AdamW moments;
     # with Muon its share of them (job.muon) keeps one moment, not two (spread evenly over
     # the stages: the first and last hold more AdamW-only embedding and head).
-    grad = job.trainable
+    grad, red = job.trainable, job.reduce_bytes  # red: the reduce dtype's bytes (Job.reduce_bytes)
     mem = Memory(pp_rank=rank, params=FP32 * sharded, optimizer=(2 - job.muon) * FP32 * sharded * grad)
     zero2 = keeps_gathered(lay)
     accumulating = rank_batch(job, lay) > lay.local_batch
@@ -253,13 +255,13 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
         # (FULL_SHARD too).
         once = lay.reduces_once and accumulating
         if once:
-            held_grads = (FP32 * local + BF16 * max(head, block)) * grad
+            held_grads = (red * local + BF16 * max(head, block)) * grad
         moments = [  # (gradients, transient, activations)
             (held_grads, gathered(head), kept + b * (prof.head + prof.head_working)),
-            (held_grads, gathered(block, block) + (BF16 + FP32) * block * grad, kept + working),
+            (held_grads, gathered(block, block) + (BF16 + red) * block * grad, kept + working),
             (held_grads, gathered(head), kept + b * (prof.head + prof.forward_extra)),
-            (FP32 * (local if once else sharded) * grad,
-             (BF16 * local if once else gathered(embed)) + (BF16 + FP32) * embed * grad,
+            ((red * local if once else FP32 * sharded) * grad,
+             (BF16 * local if once else gathered(embed)) + (BF16 + red) * embed * grad,
              b * (prof.embed + prof.kept(1))),
             muon_step,
         ]
@@ -275,7 +277,7 @@ def traced_memory(job: Job, lay: ParallelDims, rank: int, share: RankShare, prof
                          + (prof.head if last else 0))
         working[s] = b * max(prof.block_working + (skew if n_moe else 0), prof.head_working if last else 0)
         params = (n - n_moe) * dense_block + n_moe * moe_block + first * embed + last * (0 if (m.tied and first) else head)
-        after[s] = FP32 * params * grad + (0 if zero2 else BF16 * params)
+        after[s] = red * params * grad + (0 if zero2 else BF16 * params)
         running[s] = 0 if zero2 else BF16 * (head if last else (moe_block if n_moe else dense_block))
     actions = replayed_actions(lay.pp_schedule, lay.pp, lay.stages_per_rank, lay.pp_microbatches, rank)
     live, done, best = {s: 0 for s in weight}, set(), (-1.0, 0.0, 0.0)

@@ -28,6 +28,11 @@ torch/optim/adamw.py), reads plus writes, at the GPU's measured copy bandwidth
   (`to_accumulated_grad_if_needed`: read 2, write 4 on the first micro-batch;
   `accumulate_unsharded_grad_if_needed`: 2 + 4 + 4 on each other), and the reduce's
   concatenation then reads fp32 (4 + 4).
+- **reducing in bf16** ([training] mixed_precision_reduce = "bfloat16", `reduce_bytes` 2):
+  each 4 above that is the reduce dtype's becomes 2 (the send buffer, the one-rank copies,
+  the held sum, which autograd then accumulates in place as the bf16 gradient itself, with
+  no first upcast), and each round casts the reduced shard back to the fp32 parameters'
+  dtype (`_to_dtype_if_needed`: read 2, write 4 over the shard).
 - **clipping** (parallel/grad_clip.py, torch's foreach kernels): the norm reads every fp32
   gradient shard (4), every step (it is logged); with [training] max_norm > 0 the scale
   reads and writes it (8), clipped or not (torch multiplies by the clamped coefficient).
@@ -47,41 +52,53 @@ from __future__ import annotations
 GATHER_SHARD_BYTES = 6 + 4   # cast fp32 -> bf16, then copy into the all-gather input
 GATHER_UNIT_BYTES = 2 + 2    # copy the gathered unit out into the parameters
 ONE_RANK_GATHER_BYTES = 6 + 4  # one rank: cast, then copy into the unsharded parameter
-REDUCE_UNIT_BYTES = 2 + 4    # chunk_cat: bf16 gradients into the fp32 reduce-scatter input
-ACCUMULATED_REDUCE_BYTES = 4 + 4  # chunk_cat of fp32 gradients accumulated over a pipeline's micro-batches
-ONE_RANK_REDUCE_BYTES = 4 + 4  # one rank: the reduce-scatter input copied to its output
-DIVIDE_BYTES = 4 + 4         # ... through a divided temporary, with a divide factor
+GRAD_BYTES, MASTER_BYTES = 2, 4  # a bf16 gradient as backward makes it; the fp32 shard's dtype
 SHARD_ACCUMULATE_BYTES = 4 + 4 + 4  # a reduced gradient added into the shard's
-FIRST_UPCAST_BYTES = 2 + 4   # a pipeline's first micro-batch: bf16 gradient -> fp32 copy
-UPCAST_ADD_BYTES = 2 + 4 + 4  # each later one: added into that copy
 NORM_BYTES = 4               # foreach_norm: every step, for the logged gradient norm
 SCALE_BYTES = 8              # foreach_mul_: when clipping ([training] max_norm > 0)
 ADAMW_BYTES = 4 * 4 + 3 * 4  # read p, g, m, v; write p, m, v (fp32)
 
 
+def reduce_pass_bytes(r: int) -> dict[str, int]:
+    """Bytes per element of each pass around a reduction in a dtype of ``r`` bytes (4: fp32,
+    the module docstring's counts; 2: bf16)."""
+    return dict(
+        unit=GRAD_BYTES + r,                      # chunk_cat: bf16 gradients into the send buffer
+        accumulated=r + r,                        # chunk_cat of gradients summed over micro-batches
+        one_rank=r + r,                           # one rank: the send buffer copied to the output
+        divide=r + r,                             # ... through a divided temporary
+        first=GRAD_BYTES + r if r != GRAD_BYTES else 0,  # reducing once: the first gradient's copy
+        add=GRAD_BYTES + r + r,                   # each later one added into the sum
+        cast=r + MASTER_BYTES if r != MASTER_BYTES else 0,  # the reduced shard cast back to fp32
+    )
+
+
 def fsdp_copy_bytes(params: float, degree: int, rounds: tuple[int, int], *, trainable: float = 1.0,
-                    microbatches: int = 1, reduces_once: bool = False, divided: bool = False) -> float:
+                    microbatches: int = 1, reduces_once: bool = False, divided: bool = False,
+                    reduce_bytes: int = 4) -> float:
     """Bytes FSDP2's copies move on one GPU per step for units of ``params`` parameters (as
     this GPU holds them, after TP) sharded over ``degree`` ranks, gathered and reduced
     ``rounds`` = (all-gathers, reduce-scatters) times per step (planning/step_time.py
     fsdp_rounds), with ``microbatches`` forwards per step. Only the ``trainable`` fraction
     has gradients ([lora]: the frozen base is gathered, never reduced). ``reduces_once``: the
     gradients accumulate unsharded and reduce once (a pipeline, gradient_sync = "step");
-    ``divided``: the units divide their
-    gradients by a factor of their own (the experts')."""
+    ``divided``: the units divide their gradients by a factor of their own (the experts');
+    ``reduce_bytes``: the reduce dtype's size (Job.reduce_bytes)."""
     n_ag, n_rs = rounds
     shard = params / degree
+    r = reduce_pass_bytes(reduce_bytes)
     if degree == 1:
         gather = ONE_RANK_GATHER_BYTES * params
-        reduce = ONE_RANK_REDUCE_BYTES + (DIVIDE_BYTES if divided else 0)
+        reduce = r["one_rank"] + (r["divide"] if divided else 0)
     else:
         gather = GATHER_SHARD_BYTES * shard + GATHER_UNIT_BYTES * params
         reduce = 0
+    cast = r["cast"] * n_rs * shard
     if reduces_once:
-        reduce += ACCUMULATED_REDUCE_BYTES
-        grads = (FIRST_UPCAST_BYTES + UPCAST_ADD_BYTES * (microbatches - 1) + reduce * n_rs) * params
+        reduce += r["accumulated"]
+        grads = (r["first"] + r["add"] * (microbatches - 1) + reduce * n_rs) * params + cast
     else:
-        grads = (REDUCE_UNIT_BYTES + reduce) * n_rs * params + SHARD_ACCUMULATE_BYTES * max(n_rs - 1, 0) * shard
+        grads = (r["unit"] + reduce) * n_rs * params + SHARD_ACCUMULATE_BYTES * max(n_rs - 1, 0) * shard + cast
     return n_ag * gather + trainable * grads
 
 

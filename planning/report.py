@@ -110,7 +110,7 @@ def to_toml(e, job: Job, name: str, command: str) -> str:
         f"local_batch_size = {local}" + ("" if lay.pp > 1 else
                                           f"      # {forwards_per_step(job, lay)} accumulation step(s)"),
         f"seq_len = {job.seq_len}", 'mixed_precision_param = "bfloat16"',
-        'mixed_precision_reduce = "float32"', *(["chunked_loss = true"] if job.chunked_loss else []), "",
+        f'mixed_precision_reduce = "{job.reduce_dtype}"', *(["chunked_loss = true"] if job.chunked_loss else []), "",
         "[parallelism]", f"dp_replicate = {lay.dp_replicate}", f"dp_shard = {lay.dp_shard}",
         f"tp = {lay.tp}", f"pp = {lay.pp}", *([f"cp = {lay.cp}"] if lay.cp > 1 else []),
         *([f"ep = {lay.ep}"] if lay.ep > 1 else []), *pipe,

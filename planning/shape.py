@@ -169,6 +169,10 @@ class ModelShape:
                                dim=self.dim, seq_len=seq_len)
 
 
+# Bytes per element of the gradient reductions the planner knows ([training] mixed_precision_reduce).
+REDUCE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
 @dataclass(frozen=True)
 class Job:
     model: ModelShape
@@ -234,10 +238,22 @@ class Job:
     # output. Its time only (planning/step_time.py); the memory planned is meshtrain's.
     # For a run of another framework (the validation's Llama 3 rows).
     cp_kv_all_gather: bool = False
+    # [training] mixed_precision_reduce: the dtype FSDP reduces gradients in, and holds them
+    # in while they wait to be reduced (its reduce-scatter buffers, a pipeline's or
+    # gradient_sync = "step"'s unsharded sums); "bfloat16" halves those bytes and adds a cast
+    # of each reduced shard back to the fp32 parameters' dtype (planning/param_passes.py).
+    reduce_dtype: str = "float32"
 
     def __post_init__(self):
+        if self.reduce_dtype not in REDUCE_BYTES:
+            raise ValueError(f"reduce_dtype = {self.reduce_dtype!r}: the planner knows {', '.join(REDUCE_BYTES)}")
         if self.topology is not None:  # one described in Python; the CLI's was checked naming its file
             check_collective_sms(self.topology, self.gpu)
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per gradient element in FSDP's reductions (Job.reduce_dtype)."""
+        return REDUCE_BYTES[self.reduce_dtype]
 
     @property
     def world(self) -> int:

@@ -17,7 +17,7 @@ from meshtrain.parallel.layout import ParallelDims
 from meshtrain.parallel.vocabulary import WHOLE_BACKWARD
 from meshtrain.planning import muon, param_passes
 from meshtrain.planning.kernels import block_seconds, expert_seconds, head_seconds, loss_bytes_per_logit
-from meshtrain.planning.memory import (BF16, FP32, expert_shard_degree, largest_unit, rank_params,
+from meshtrain.planning.memory import (BF16, expert_shard_degree, largest_unit, rank_params,
                                        rank_sharded_params)
 from meshtrain.planning.schedule import makespan
 from meshtrain.planning.shape import Job, ModelShape, forwards_per_step, keeps_gathered, replica_group, shard_degree
@@ -197,7 +197,8 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
         bubble = busy * (lay.pp - 1) / lay.stages_per_rank / n_mb
 
     # FSDP on the rank with the most parameters. Ring collectives: each GPU sends (n-1)/n of
-    # the unsharded bytes; gathers in bf16, reductions in fp32; HSDP all-reduces the shard.
+    # the unsharded bytes; gathers in bf16, reductions in the reduce dtype (fp32 unless
+    # [training] mixed_precision_reduce says bfloat16: Job.reduce_bytes); HSDP all-reduces the shard.
     # Under ep the routed experts are FSDP units of their own, over the dp_shard / ep ranks
     # holding the same experts (stride tp x ep).
     _, local, routed, unit, n_units, n_moe, sharded, f8, layers = max(fsdp)
@@ -219,15 +220,16 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     block = m.layer_split / t + m.layer_replicated
     block_saved = (BF16 - FLOAT8) * m.layer_split / t if f8 else 0.0
     unit_saved = block_saved if unit == block else 0.0
-    rs = FP32 * local * (ds - 1) / ds
-    ar = 2 * FP32 * local / ds * (dr - 1) / dr
-    ag_e, rs_e = BF16 * routed * (de - 1) / de, FP32 * routed * (de - 1) / de
+    red = job.reduce_bytes
+    rs = red * local * (ds - 1) / ds
+    ar = 2 * red * local / ds * (dr - 1) / dr
+    ag_e, rs_e = BF16 * routed * (de - 1) / de, red * routed * (de - 1) / de
     # Each round runs one collective per FSDP unit (a block, the embedding, norm + output):
     # n_units collectives of the average unit (the latency is paid per collective).
     per_unit = local / n_units
     gather = lambda params, g=dp_g: net.seconds("all-gather", BF16 * params, *g)
-    reduce = lambda params: (net.seconds("reduce-scatter", FP32 * params, *dp_g)
-                             + net.seconds("all-reduce", FP32 * params / ds, *rep_g))
+    reduce = lambda params: (net.seconds("reduce-scatter", red * params, *dp_g)
+                             + net.seconds("all-reduce", red * params / ds, *rep_g))
     round_ag = n_units * net.seconds("all-gather", (BF16 * local - saved) / n_units, *dp_g)
     round_rs = n_units * reduce(per_unit)
     gathers = n_ag * round_ag
@@ -237,7 +239,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
                    + sum(k * gather(p) for p, k in ends))
     if routed:
         gathers += n_ag * n_moe * gather(routed / n_moe, ex_g)
-        round_rs += n_moe * net.seconds("reduce-scatter", FP32 * routed / n_moe, *ex_g)
+        round_rs += n_moe * net.seconds("reduce-scatter", red * routed / n_moe, *ex_g)
     fsdp_time = gathers + n_rs * round_rs
     first_gather = net.seconds("all-gather", BF16 * unit - unit_saved, *dp_g)
     # Overlap: FSDP2 prefetches, so its collectives hide behind compute except the first
@@ -277,7 +279,7 @@ def step_time(job: Job, lay: ParallelDims) -> StepTime:
     # AdamW not Muon's matrices (job.muon: their fraction of the trained ones).
     # The routed experts, under ep, are units of their own over de ranks, dividing their
     # gradients by a factor of their own (parallel/fsdp.py).
-    passes = dict(trainable=job.trainable, microbatches=n_mb, reduces_once=lay.reduces_once)
+    passes = dict(trainable=job.trainable, microbatches=n_mb, reduces_once=lay.reduces_once, reduce_bytes=red)
     copies = (param_passes.fsdp_copy_bytes(local, ds, (copy_ag, n_rs), **passes)
               + (param_passes.fsdp_copy_bytes(routed, de, (n_ag, n_rs), divided=True, **passes) if routed else 0.0)
               ) / gpu.hbm_bandwidth

@@ -65,11 +65,14 @@ def test_config_keys_are_overridden_on_the_command_line_as_for_train_and_dry_run
     assert "unexpected argument 'stray'" in capsys.readouterr().err
 
 
-def test_a_config_not_in_bf16_with_fp32_reductions_is_estimated_with_a_warning(capsys):
+def test_a_config_not_computing_in_bf16_is_estimated_with_a_warning(capsys):
     # debug_2d keeps train.py's defaults (fp32 parameters and reductions); the formulas time
-    # bf16 matmuls and count bf16 gathers, so its estimate says it is not that config's.
+    # bf16 matmuls and count bf16 gathers, so its estimate says it is not that config's. The
+    # reduce dtype is planned as set: a bf16 reduction alone warns of nothing.
     assert main(["--config", "debug_2d", "--world-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert 'WARNING: [training] mixed_precision_param = "float32", mixed_precision_reduce = "float32"' in out
+    assert 'WARNING: [training] mixed_precision_param = "float32": the estimate assumes "bfloat16"' in out
     assert main(["--config", "llama70b_2d", "--world-size", "64"]) == 0
+    assert "mixed_precision" not in capsys.readouterr().out
+    assert main(["--config", "llama70b_2d", "--world-size", "64", "--training.mixed_precision_reduce=bfloat16"]) == 0
     assert "mixed_precision" not in capsys.readouterr().out
