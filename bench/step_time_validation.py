@@ -399,6 +399,32 @@ OLMO_CORE = [
 ]
 
 
+# IBM's fms-fsdp (torch-native: FSDP1 wrapping each LLaMABlock, `limit_all_gathers`, FSDP1's
+# default BACKWARD_PRE prefetch; MixedPrecision bfSixteen: bf16 parameters and bf16 gradient
+# reductions; torch's SDPA; AdamW; the gradient norm clipped every step), its README's H100
+# column: "H100 96 GPUs with 800 Gbps", tokens/s per GPU, sequence 4,096 (train_config),
+# one micro-batch a step (no accumulation in its loop), Llama 2 shapes (fms's LLaMAConfig,
+# vocabulary 32,000, untied output). Two tables at two commits: eager (train_config's
+# use_torch_compile = False then) and "updated with torch.compile" (the whole model compiled).
+# The network: 800 Gb/s a node, as printed (the per-node reading: the A100 column's "400Gbps"
+# is a p4d node's, whose four EFA NICs the launch script's paths are for); the planner's times
+# depend on a node's NICs only through their sum, planned as 8 of 100 Gb/s. Rows with
+# "Selective AC" are left out: its fraction of blocks checkpointed (`selective_checkpointing`)
+# is not stated (NOT_EXPRESSED). The loss: torch's CrossEntropyLoss on the model's bf16 logits
+# (fms's LLaMA does not upcast them), KempnerForge's op (FMS_LOSS_BYTES). Columns: size,
+# commit, sharding strategy, AC, compiled, dim, layers, heads, kv heads, FFN, batch per GPU,
+# tok/s per GPU, MFU as published.
+FMS_FSDP_URL = "https://github.com/foundation-model-stack/fms-fsdp/blob/{commit}/README.md"
+FMS_EAGER, FMS_COMPILED = "4ffb9bdfa30e957e339ccfbb617a589fd07c495e", "ed74fd5ddec00e309eac20f478de883464c86526"
+FMS_GPUS, FMS_NODE_GBPS = 96, 800
+FMS_LOSS_BYTES = KEMPNERFORGE_LOSS_BYTES  # F.cross_entropy on bf16 logits, no upcast (above)
+FMS_FSDP = [
+    ("7b", FMS_EAGER, "HSDP", "none", False, 4096, 32, 32, 32, 11_008, 2, 7500, 0.37),
+    ("34b", FMS_EAGER, "FSDP", "full", False, 8192, 48, 64, 8, 22_016, 2, 1550, 0.32),
+    ("70b", FMS_EAGER, "FSDP", "full", False, 8192, 80, 64, 8, 28_672, 2, 800, 0.34),
+    ("7b", FMS_COMPILED, "HSDP", "none", True, 4096, 32, 32, 32, 11_008, 2, 9600, 0.46),
+]
+
 def kempnerforge_model(size: str) -> ModelShape:
     """The report's shapes: "7B" is Llama 3 8B's (8.03B parameters), 70B is Llama 3 70B's, 13B
     is dim 5120, 40 layers, 40 heads, 8 kv heads, FFN 17,920 (14.84B); vocabulary 128,256."""
@@ -459,7 +485,7 @@ def dgxc_model(recipe: str, layers: int) -> ModelShape:
 def held_out() -> list[dict]:
     """Published bf16 runs of other frameworks, not used to set any planner constant: each with
     its source, layout, the published figure and its conversion to tokens/s per GPU."""
-    return kempnerforge_rows() + mosaic_rows() + llama3_rows() + dgxc_rows() + olmo_core_rows()
+    return kempnerforge_rows() + mosaic_rows() + llama3_rows() + dgxc_rows() + olmo_core_rows() + fms_fsdp_rows()
 
 
 def kempnerforge_node(gpus: int):
@@ -604,8 +630,34 @@ def olmo_core_rows() -> list[dict]:
     return rows
 
 
+def fms_fsdp_rows() -> list[dict]:
+    rows = []
+    net = dataclasses.replace(default_topology(H100, 8), nics_per_node=8, nic_bandwidth=FMS_NODE_GBPS / 8 * 1e9 / 8)
+    for size, commit, sharding, ac, compiled, dim, layers, heads, kv, ffn, b, tok_s_gpu, mfu in FMS_FSDP:
+        shape = ModelShape.from_flavor("8B", 32_000, "llama", dim=dim, n_heads=heads, n_kv_heads=kv,
+                                       ffn_hidden=ffn, n_layers=layers)
+        job = Job(shape, H100, FMS_GPUS // 8, 8, 4096, FMS_GPUS * b, compiled=compiled,
+                  loss_bytes=FMS_LOSS_BYTES, reduce_dtype="bfloat16", topology=net)
+        # HSDP: FSDP1's HYBRID_SHARD, sharded over a node's 8 GPUs and replicated over the nodes.
+        shard = 8 if sharding == "HSDP" else FMS_GPUS
+        lay = ParallelDims(tp=1, pp=1, dp_replicate=FMS_GPUS // shard, dp_shard=shard, world_size=FMS_GPUS,
+                           strategy="HYBRID_SHARD" if sharding == "HSDP" else "FULL_SHARD", ac=ac, micro_batch=b)
+        rows.append(dict(source=f"fms-fsdp {size}, {'compiled' if compiled else 'eager'}",
+                         url=FMS_FSDP_URL.format(commit=commit),
+                         run=f"Llama 2 {size}, H100 12x8 (800 Gb/s a node), {sharding} "
+                             f"{'8 x DP 12' if sharding == 'HSDP' else FMS_GPUS}, AC {ac}, {b} x 4,096, "
+                             f"{'compiled' if compiled else 'eager'}, bf16 reductions",
+                         job=job, layout=lay, published=f"{tok_s_gpu:,} tok/s/GPU ({mfu:.0%} MFU)",
+                         published_value=tok_s_gpu, published_mfu=mfu * 100, published_memory_gb=None,
+                         measured=tok_s_gpu))
+    return rows
+
 # Published runs looked at and left out, with the reason (printed below the held-out table).
 NOT_EXPRESSED = [
+    ("fms-fsdp README, H100 column: 13b (both tables), 34b and 70b (compiled table)", "\"Selective AC\": "
+     "the fraction of blocks its selective_checkpointing wraps is not stated (the HFU/MFU ratios printed beside "
+     "them imply fractions of 0.2 to 0.9 that disagree between the A100 and H100 columns, run with \"the exact "
+     "same scripts and configurations\"); its A100 column: physics/gpus.py's A100 speeds are assumptions"),
     ("Megatron-Bridge performance summary (docs/performance-summary*.md, 25.09-26.08), NeMo 24.07 "
      "performance summary", "every dense Llama row on DGX-H100 is FP8; the only H100 BF16 rows are GPT-OSS 120B, "
      "a mixture of experts with attention sinks and sliding-window layers, which no native family builds"),

@@ -44,6 +44,8 @@ DGXC_TOK_S = [82028, 161443, 322638, 645277, 1275155,                           
               134752.43, 271581.46, 540537.92, 1075255.78, 2110607.12]                 # MaxText Llama 3 70B
 # OLMo-core's README: tokens/s per device, 1B / 7B / 8B / 13B.
 OLMO_CORE_TOK_S = [55_000, 10_000, 9_500, 4_600]
+# fms-fsdp's README, H100 column: 7b, 34b, 70b eager (commit 4ffb9bd), 7b compiled (ed74fd5).
+FMS_FSDP_TOK_S = [7500, 1550, 800, 9600]
 
 
 def test_every_held_out_point_is_estimated_with_its_source_and_published_figure():
@@ -53,9 +55,11 @@ def test_every_held_out_point_is_estimated_with_its_source_and_published_figure(
     mosaic = [r for r in rows if r["source"].startswith("llm-foundry")]
     dgxc = [r for r in rows if r["source"].startswith("NVIDIA DGXC")]
     olmo = [r for r in rows if r["source"].startswith("OLMo-core")]
-    assert len(rows) == len(kempner) + len(llama3) + len(mosaic) + len(dgxc) + len(olmo) == (
-        len(PUBLISHED) + len(LLAMA3_TFLOPS_MFU) + 70 + len(DGXC_TOK_S) + len(OLMO_CORE_TOK_S))
+    fms = [r for r in rows if r["source"].startswith("fms-fsdp")]
+    assert len(rows) == len(kempner) + len(llama3) + len(mosaic) + len(dgxc) + len(olmo) + len(fms) == (
+        len(PUBLISHED) + len(LLAMA3_TFLOPS_MFU) + 70 + len(DGXC_TOK_S) + len(OLMO_CORE_TOK_S) + len(FMS_FSDP_TOK_S))
     assert [r["published_value"] for r in olmo] == OLMO_CORE_TOK_S
+    assert [r["published_value"] for r in fms] == FMS_FSDP_TOK_S
     assert {r["source"]: r["published_value"] for r in kempner} == PUBLISHED
     assert [(r["published_value"], r["published_mfu"]) for r in llama3] == LLAMA3_TFLOPS_MFU
     assert [r["published_value"] for r in dgxc] == DGXC_TOK_S
@@ -99,7 +103,7 @@ def test_published_figures_are_converted_to_tokens_per_second_per_gpu():
     for r in validation.held_out():
         if r["source"].startswith(("KempnerForge", "NVIDIA DGXC")):  # the job's tok/s over its GPUs
             assert r["measured"] == r["published_value"] / r["job"].world
-        elif r["source"].startswith(("llm-foundry", "OLMo-core")):  # published per GPU
+        elif r["source"].startswith(("llm-foundry", "OLMo-core", "fms-fsdp")):  # published per GPU
             assert r["measured"] == r["published_value"]
         else:  # TFLOP/s per GPU over physics/flops.py's FLOPs per token
             m, s = r["job"].model, r["job"].seq_len
@@ -117,6 +121,22 @@ def test_olmo_core_rows_are_the_published_shapes():
     rows = [r for r in validation.held_out() if r["source"].startswith("OLMo-core")]
     assert [r["job"].model.vocab for r in rows] == [128 * -(-100_278 // 128)] * 4
     assert all(not r["job"].model.tied and r["job"].compiled and r["layout"].ac == "none" for r in rows)
+
+
+def test_fms_fsdp_rows_are_the_published_layouts():
+    # fms's Llama 2 shapes (LLaMAConfig: 7b's FFN the 256-multiple ceiling of 8/3 d, 34b's and
+    # 70b's hidden_grow_factor x d), vocabulary 32,000, untied; 96 GPUs in nodes of 8, HSDP
+    # sharded over a node, FSDP over all; bf16 reductions (bfSixteen); batch 2 a GPU, one
+    # micro-batch a step; the node's 800 Gb/s as the NICs' sum.
+    rows = [r for r in validation.held_out() if r["source"].startswith("fms-fsdp")]
+    assert [r["job"].model.ffn_hidden for r in rows] == [256 * -(-int(8 * 4096 / 3) // 256), 22_016, 28_672, 11_008]
+    for r in rows:
+        job, lay = r["job"], r["layout"]
+        assert job.model.vocab == 32_000 and not job.model.tied and job.reduce_dtype == "bfloat16"
+        assert job.world == 96 and job.global_batch == 96 * 2 and lay.micro_batch == 2
+        assert job.net.nics_per_node * job.net.nic_bandwidth * 8 == 800e9
+        assert (lay.dp_shard, lay.dp_replicate) == ((8, 12) if "HSDP" in r["run"] else (96, 1))
+        assert r["url"].startswith("https://github.com/foundation-model-stack/fms-fsdp/blob/")
 
 
 def test_held_out_points_are_not_among_the_calibration_rows():
