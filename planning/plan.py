@@ -23,7 +23,7 @@ from meshtrain.physics.gpus import GIB, GPUS, HEADROOM, get_gpu, usable_bytes
 from meshtrain.planning import hardware, kernels, matmul
 from meshtrain.planning.report import describe, format_breakdown, format_table, to_toml
 from meshtrain.planning.search import LONG_SEQ, plan
-from meshtrain.planning.shape import Job, ModelShape
+from meshtrain.planning.shape import REDUCE_BYTES, Job, ModelShape
 from meshtrain.planning.step_time import ASYNC_TP_HIDES
 from meshtrain.planning.verify import verify
 
@@ -108,6 +108,9 @@ def parse_args(argv):
                    help="plan for [compile] enable = true and loss = true: each block compiled (its element-wise "
                         "chains fused; it keeps what inductor's partitioner saves) and the loss compiled (the bf16 "
                         "logits kept, 8 bytes a logit moved); --write writes both keys")
+    p.add_argument("--reduce-dtype", choices=sorted(REDUCE_BYTES), default="float32",
+                   help="plan for [training] mixed_precision_reduce: FSDP reduces gradients in this dtype "
+                        "(bfloat16: half the reduction's bytes; default float32); --write writes it")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--write", metavar="PATH.toml", help="write the best layout as a train.py config")
     p.add_argument("--verify", type=int, default=0, metavar="K",
@@ -181,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     job = Job(resolve_model(args.model, **dims), gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch,
               topology=net, moe_imbalance=args.moe_imbalance, chunked_loss=args.chunked_loss,
               compiled=args.compile, compiled_loss=args.compile,
-              attention_efficiency=args.attention_efficiency or 0.0, tp_overlap=args.tp_overlap)
+              attention_efficiency=args.attention_efficiency or 0.0, tp_overlap=args.tp_overlap,
+              reduce_dtype=args.reduce_dtype)
     if job.model.max_positions and args.seq_len > job.model.max_positions:
         raise PlanError(f"--seq-len {args.seq_len} is longer than {args.model}'s {job.model.max_positions} "
                         f"learned positions, which train.py refuses; use --seq-len <= {job.model.max_positions}")
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{job.model.family} {job.model.flavor}{resized} ({size}) on {job.nodes} x "
           f"{job.gpus_per_node} {gpu.name}, seq {job.seq_len}, global batch {job.global_batch} "
           f"sequences{', chunked loss' if job.chunked_loss else ''}{', compiled blocks and loss' if job.compiled else ''}"
+          f"{', bf16 gradient reductions' if job.reduce_dtype == 'bfloat16' else ''}"
           f"{f', TP inside the matmuls ({job.tp_overlap:.0%} of what can hide, --tp-overlap)' if job.tp_overlap else ''}; peak {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s "
           f"bf16: {matmul_speeds(gpu)}, {attention_speed(gpu, job.seq_len, job.attention_efficiency)}, "
           f"memory-bound work at {gpu.hbm_bandwidth / 1e12:.1f} TB/s; {net.describe()}. Estimates, not measurements "

@@ -409,6 +409,30 @@ def test_a_compiled_plan_writes_the_compile_keys_and_its_config_estimates_the_sa
     assert again.memory.total == pytest.approx(best.memory.total, rel=1e-9)
 
 
+def test_a_bf16_reduction_plan_writes_its_dtype_and_its_config_estimates_the_same(tmp_path, capsys):
+    """--reduce-dtype bfloat16 plans FSDP's reductions at 2 bytes an element; the config
+    --write writes says so ([training] mixed_precision_reduce), so the estimate of that config
+    is the plan's own (the bytes themselves: test_dry_run's trace of torch's FSDP2)."""
+    from meshtrain.planning.estimate import estimate_config
+
+    job = Job(resolve_model("1B"), H100, nodes=2, gpus_per_node=8, seq_len=4096, global_batch=64,
+              reduce_dtype="bfloat16")
+    lay = ParallelDims(dp_shard=16, world_size=16, strategy="FULL_SHARD", ac="none", micro_batch=2)
+    best, fp32 = estimate(job, lay), estimate(dataclasses.replace(job, reduce_dtype="float32"), lay)
+    assert best.comm_bytes["dp_shard"] < fp32.comm_bytes["dp_shard"]
+    path = tmp_path / "bf16_reduce.toml"
+    path.write_text(to_toml(best, job, path.stem, "meshtrain plan ... --reduce-dtype bfloat16"))
+    cfg = load_config(path, ["--job.device=cpu"])
+    assert cfg.training.mixed_precision_reduce == "bfloat16"
+    again = estimate_config(cfg, 16, 8, H100)
+    assert again.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
+    assert again.comm_bytes["dp_shard"] == pytest.approx(best.comm_bytes["dp_shard"], rel=1e-9)
+    assert again.memory.total == pytest.approx(best.memory.total, rel=1e-9)
+    assert run(["--model", "8B", "--nodes", "1", "--seq-len", "8192", "--global-batch", "16",
+                "--reduce-dtype", "float16"]) == 2  # the flag and what it accepts
+    assert "--reduce-dtype: invalid choice: 'float16' (choose from 'bfloat16', 'float32')" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_error_from_a_subprocess():
     proc = _cli("--model", "8B", "--nodes", "0", "--seq-len", "8192", "--global-batch", "16")
