@@ -79,17 +79,20 @@ def torchtitan() -> list[dict]:
     500 W (2024-12, 2025-06), "lower TDP" 94/95 GB (405B); estimated as an H100 SXM 80GB."""
     rows = []
 
-    def add(run, model, nodes, seq, batch, compiled, measured, tp_overlap=0.0, **lay):
+    def add(run, model, nodes, seq, batch, compiled, measured, tp_overlap=0.0, memory=None, **lay):
         job = Job(model, H100, nodes, 8, seq, batch, compiled=compiled, tp_overlap=tp_overlap)
         rows.append(dict(source="torchtitan", run=run, job=job, layout=ParallelDims(dp_replicate=1, pp=1, world_size=job.world, **lay),
-                         measured=measured))
+                         measured=measured, published_memory_gib=memory))
 
+    # Tables 1 and 3 print each run's memory: torchtitan's logged max_reserved (torchtitan/
+    # metrics.py, "memory: ...GiB"), the caching allocator's peak reservation, in GiB.
     fsdp8 = dict(tp=1, dp_shard=8, strategy="FULL_SHARD", ac="op", micro_batch=2)
-    add("8B, FSDP 8, local batch 2, per-op SAC, eager", llama("8B"), 1, 8192, 16, False, 5762, **fsdp8)
-    add("8B, FSDP 8, local batch 2, per-op SAC, compiled", llama("8B"), 1, 8192, 16, True, 6667, **fsdp8)
+    add("8B, FSDP 8, local batch 2, per-op SAC, eager", llama("8B"), 1, 8192, 16, False, 5762, memory=82.4, **fsdp8)
+    add("8B, FSDP 8, local batch 2, per-op SAC, compiled", llama("8B"), 1, 8192, 16, True, 6667, memory=77.0, **fsdp8)
     fsdp128 = dict(tp=1, dp_shard=128, strategy="FULL_SHARD", ac="op", micro_batch=2)
-    add("8B, FSDP 128, local batch 2, per-op SAC, eager", llama("8B"), 16, 8192, 256, False, 5605, **fsdp128)
-    add("8B, FSDP 128, local batch 2, per-op SAC, compiled", llama("8B"), 16, 8192, 256, True, 6514, **fsdp128)
+    add("8B, FSDP 128, local batch 2, per-op SAC, eager", llama("8B"), 16, 8192, 256, False, 5605, memory=67.0, **fsdp128)
+    add("8B, FSDP 128, local batch 2, per-op SAC, compiled", llama("8B"), 16, 8192, 256, True, 6514, memory=62.0,
+        **fsdp128)
     add("8B, FSDP 8 x TP 8, local batch 12, per-op SAC, compiled", llama("8B"), 8, 8192, 96, True, 4378,
         tp=8, dp_shard=8, strategy="FULL_SHARD", ac="op", micro_batch=12)
     add("70B, FSDP 32 x TP 8, local batch 16, full AC, compiled", llama("70B"), 32, 8192, 512, True, 597.3,
@@ -738,7 +741,7 @@ def summary(rows: list[dict]) -> str:
             f"{refused} of these layouts, which ran, do not fit by the planner's memory")
 
 
-CALIBRATION_HEADER = "| source | run | measured tok/s/GPU | estimated | error |"
+CALIBRATION_HEADER = "| source | run | measured tok/s/GPU | estimated | error | memory GiB: published / predicted |"
 HELD_OUT_HEADER = "| source | layout | published | tok/s/GPU | predicted | error | memory GB: published / predicted GiB |"
 SUMMARY_PREFIX = "*As the script prints it:* "
 BANDS_PREFIX = "*By attention's share of the estimated step:* "
@@ -747,8 +750,12 @@ DOC = ROOT / "docs/planning.md"
 
 
 def calibration_table(rows: list[dict]) -> list[str]:
-    return [CALIBRATION_HEADER, "|---|---|---:|---:|---:|"] + [
-        f"| {r['source']} | {r['run']} | {r['measured']:,.0f} | {r['estimated']:,.0f} | {r['error']:+.0%} |"
+    def memory(r):
+        published = r.get("published_memory_gib")
+        return f"{published} / {r['estimate'].memory.total / 2**30:.1f}" if published else "—"
+
+    return [CALIBRATION_HEADER, "|---|---|---:|---:|---:|---:|"] + [
+        f"| {r['source']} | {r['run']} | {r['measured']:,.0f} | {r['estimated']:,.0f} | {r['error']:+.0%} | {memory(r)} |"
         for r in rows]
 
 
